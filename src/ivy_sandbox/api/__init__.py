@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI): thin routes over the services."""

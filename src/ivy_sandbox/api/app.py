@@ -1,0 +1,91 @@
+"""The app factory: settings in, a FastAPI app out. Nothing is built at import time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+import ivy_sandbox
+from ivy_sandbox.api.middleware import SecurityHeadersMiddleware
+from ivy_sandbox.api.problems import install_error_handlers
+from ivy_sandbox.api.routes import sandboxes
+from ivy_sandbox.api.schemas import Problem
+from ivy_sandbox.bootstrap import Services, build_services
+from ivy_sandbox.config import Settings
+
+API_PREFIX = "/v1"
+# The seed's own examples call https://ivybiosciences.com/api/v1/…; serve that form too so a
+# client written against them works by changing only the host. Only /v1 is documented.
+ALIAS_PREFIX = "/api/v1"
+
+SECURITY_SCHEMES: dict[str, Any] = {
+    "bearerAuth": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An `ivy_` API key or a Clerk session JWT.",
+    },
+    "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "X-Ivy-Api-Key"},
+    "sessionCookie": {
+        "type": "apiKey",
+        "in": "cookie",
+        "name": "__session",
+        "description": "The Clerk session cookie (browser sessions).",
+    },
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, plus our auth schemes, minus the 422s our routes never send."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title="ivy-sandbox",
+        version=ivy_sandbox.__version__,
+        description="The Ivy sandbox API: one isolated sandbox per chat.",
+        routes=app.routes,
+    )
+    schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
+            operation.get("responses", {}).pop("422", None)
+    schemas = schema["components"].setdefault("schemas", {})
+    schemas["Problem"] = Problem.model_json_schema()
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
+    """Build the app. ``services`` lets tests inject pre-built collaborators."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = services is None
+        app.state.services = services if services is not None else await build_services(settings)
+        try:
+            yield
+        finally:
+            if owned:
+                await app.state.services.aclose()
+
+    app = FastAPI(
+        title="ivy-sandbox",
+        version=ivy_sandbox.__version__,
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    if services is not None:
+        app.state.services = services
+    app.include_router(sandboxes.router, prefix=API_PREFIX)
+    app.include_router(sandboxes.router, prefix=ALIAS_PREFIX, include_in_schema=False)
+    install_error_handlers(app)
+    app.add_middleware(SecurityHeadersMiddleware)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app

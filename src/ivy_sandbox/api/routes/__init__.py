@@ -1,0 +1,1 @@
+"""Routers. Each route: parse → one service call → shape the response."""

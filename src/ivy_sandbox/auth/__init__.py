@@ -1,0 +1,1 @@
+"""Authentication: API keys, Clerk session tokens, and the principal they yield."""

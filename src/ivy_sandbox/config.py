@@ -1,0 +1,149 @@
+"""Settings: one pydantic-settings class, built by the factory (never at import time).
+
+Every variable has the prefix ``IVY_``. :func:`load_settings` turns a validation failure into
+one :class:`~ivy_sandbox.errors.ConfigurationError` line that names the variable, so a bad
+setting stops start-up clearly instead of with a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from limits import parse_many
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from ivy_sandbox.errors import ConfigurationError
+
+PEPPER_FILE = "api-key-pepper"
+
+
+def _check_rate_limit(value: str) -> str:
+    try:
+        parsed = parse_many(value)
+    except ValueError as exc:
+        raise ValueError(f"not a rate limit in `limits` notation (e.g. 600/minute): {exc}") from exc
+    if len(parsed) != 1:
+        raise ValueError("give exactly one rate limit, e.g. 600/minute")
+    return value
+
+
+class Settings(BaseSettings):
+    """All configuration of the service; see the README's configuration table."""
+
+    model_config = SettingsConfigDict(env_prefix="IVY_", extra="ignore", frozen=True)
+
+    data_dir: Path = Path("./.ivy-sandbox")
+    database_url: str | None = None
+    redis_url: str | None = None
+
+    api_key_pepper: str | None = Field(default=None, repr=False)
+
+    clerk_jwt_key: str | None = Field(default=None, repr=False)
+    clerk_jwks_url: str | None = None
+    clerk_issuer: str | None = None
+    clerk_authorized_parties: Annotated[frozenset[str], NoDecode] = frozenset()
+
+    rate_limit: str = "600/minute"
+    rate_limit_per_chat: str = "120/minute"
+    auth_failure_limit: str = "60/minute"
+
+    @field_validator("rate_limit", "rate_limit_per_chat", "auth_failure_limit")
+    @classmethod
+    def _valid_rate_limit(cls, value: str) -> str:
+        return _check_rate_limit(value)
+
+    @field_validator("clerk_authorized_parties", mode="before")
+    @classmethod
+    def _split_parties(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return frozenset(p.strip() for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _supported_database(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _supported_redis(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("clerk_jwt_key")
+    @classmethod
+    def _pem_key(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        # Clerk's dashboard shows the key with literal "\n"; accept both forms.
+        text = value.strip().replace("\\n", "\n")
+        if "BEGIN PUBLIC KEY" not in text:
+            raise ValueError("must be a PEM public key (-----BEGIN PUBLIC KEY-----)")
+        return text
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'ivy-sandbox.db').resolve()}"
+
+    @property
+    def clerk_configured(self) -> bool:
+        return bool(self.clerk_jwt_key or self.clerk_jwks_url)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment, failing with one line that names the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigurationError(f"IVY_{field.upper()}: {message}") from None
+
+
+def ensure_data_dir(settings: Settings) -> Path:
+    path = settings.data_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(f"IVY_DATA_DIR: cannot create {path}: {exc.strerror}") from None
+    return path
+
+
+def api_key_pepper(settings: Settings) -> bytes:
+    """The HMAC pepper for API keys: the setting, or a secret generated once in the data dir.
+
+    The file is created with O_EXCL so that `serve` and an admin command starting at the same
+    moment agree on one pepper.
+    """
+    if settings.api_key_pepper:
+        return settings.api_key_pepper.encode()
+    path = ensure_data_dir(settings) / PEPPER_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    for _ in range(50):
+        value = path.read_text().strip()
+        if value:
+            return value.encode()
+        # Another process created the file and is about to write it.
+        time.sleep(0.01)
+    raise ConfigurationError(f"IVY_API_KEY_PEPPER: the pepper file {path} is empty")

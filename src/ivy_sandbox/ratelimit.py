@@ -1,0 +1,109 @@
+"""Rate limits (the `limits` library): per user, per (user, chat), and failed logins per IP.
+
+Sliding-window counters: cheap (two counters per key), smooth at window edges, and
+supported by both the in-memory storage (one process) and Redis (shared by replicas).
+
+Headers follow the IETF draft ``draft-ietf-httpapi-ratelimit-headers`` (structured fields):
+``RateLimit-Policy: "user";q=600;w=60`` and ``RateLimit: "user";r=0;t=12``, plus
+``Retry-After: 12``. They are sent with 429 responses.
+
+If Redis is unreachable the limiter *fails open* (the request proceeds, the error is logged):
+an outage of the shared counter should not take the API down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from limits import RateLimitItem, parse
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
+
+from ivy_sandbox.errors import RateLimited, RateLimitState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    name: str
+    item: RateLimitItem
+
+    @property
+    def window_seconds(self) -> int:
+        return int(self.item.get_expiry())
+
+
+def make_storage(redis_url: str | None, key_prefix: str = "ivy-sandbox") -> Storage:
+    if redis_url is None:
+        return MemoryStorage()
+    uri = redis_url.replace("redis://", "async+redis://", 1).replace(
+        "rediss://", "async+rediss://", 1
+    )
+    return RedisStorage(uri, implementation="redispy", key_prefix=key_prefix)
+
+
+class RateLimiter:
+    """The three policies of the API, checked with :meth:`check_*`; each raises RateLimited."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        per_user: str,
+        per_chat: str,
+        auth_failures: str,
+    ) -> None:
+        self.storage = storage
+        self._limiter = SlidingWindowCounterRateLimiter(storage)
+        self.user = Policy("user", parse(per_user))
+        self.chat = Policy("chat", parse(per_chat))
+        self.auth_failures = Policy("auth-failures", parse(auth_failures))
+
+    async def check_user(self, user_id: str) -> None:
+        await self._hit(self.user, "u", user_id)
+
+    async def check_chat(self, user_id: str, chat_id: str) -> None:
+        await self._hit(self.chat, "c", user_id, chat_id)
+
+    async def record_auth_failure(self, client_ip: str) -> None:
+        """Count a failed authentication; raise RateLimited once the IP is over its limit."""
+        await self._hit(self.auth_failures, "f", client_ip)
+
+    async def _hit(self, policy: Policy, *identifiers: str) -> None:
+        try:
+            allowed = await self._limiter.hit(policy.item, *identifiers)
+            if allowed:
+                return
+            stats = await self._limiter.get_window_stats(policy.item, *identifiers)
+        except Exception:  # fail open: see module docstring
+            log.exception("rate limiter storage failed; allowing the request")
+            return
+        reset = max(1, math.ceil(stats.reset_time - time.time()))
+        raise RateLimited(
+            RateLimitState(
+                policy_name=policy.name,
+                limit=policy.item.amount,
+                window_seconds=policy.window_seconds,
+                remaining=max(0, stats.remaining),
+                reset_seconds=min(reset, policy.window_seconds),
+            )
+        )
+
+    async def aclose(self) -> None:
+        # Memory storage has a background expiry task; Redis a connection pool.
+        reset = getattr(self.storage, "reset", None)
+        if isinstance(self.storage, MemoryStorage) and reset is not None:
+            await reset()
+
+
+def rate_limit_headers(state: RateLimitState) -> dict[str, str]:
+    """The 429 headers for ``state``."""
+    return {
+        "Retry-After": str(state.reset_seconds),
+        "RateLimit-Policy": f'"{state.policy_name}";q={state.limit};w={state.window_seconds}',
+        "RateLimit": f'"{state.policy_name}";r={state.remaining};t={state.reset_seconds}',
+    }

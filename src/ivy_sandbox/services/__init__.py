@@ -1,0 +1,1 @@
+"""Use cases: plain async functions (and small classes) that take their collaborators."""

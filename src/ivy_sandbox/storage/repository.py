@@ -1,0 +1,189 @@
+"""The repository: every query the service makes, behind one small class.
+
+Services depend on these methods, never on SQL. Each method is one short transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus
+from ivy_sandbox.errors import Conflict, NotFound
+from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
+
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatAccess:
+    """The answer to "may this principal see this chat, and what is its sandbox?"."""
+
+    sandbox: SandboxSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    id: str
+    user_id: str
+    project_id: str | None
+    name: str | None
+    secret_hash: bytes
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectRecord:
+    id: str
+    user_id: str
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRecord:
+    id: str
+    user_id: str
+    project_id: str | None
+    title: str | None
+    created_at: datetime
+
+
+_ACCESS_QUERY = select(
+    chats.c.id,
+    sandboxes.c.status,
+    sandboxes.c.phase,
+    sandboxes.c.created_at,
+    sandboxes.c.phase_started_at,
+    sandboxes.c.eta_seconds,
+    sandboxes.c.error_message,
+).select_from(chats.outerjoin(sandboxes, sandboxes.c.chat_id == chats.c.id))
+
+
+class Repository:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    # -- the hot path ------------------------------------------------------------------
+    async def chat_access(
+        self, chat_id: str, user_id: str, project_id: str | None
+    ) -> ChatAccess | None:
+        """One query: the chat exists AND is the user's AND is inside the project scope.
+
+        ``None`` when any condition fails; the caller cannot tell which (no oracle).
+        """
+        condition = and_(chats.c.id == chat_id, chats.c.user_id == user_id)
+        if project_id is not None:
+            condition = and_(condition, chats.c.project_id == project_id)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(_ACCESS_QUERY.where(condition))).first()
+        if row is None:
+            return None
+        if row.status is None:
+            return ChatAccess(sandbox=None)
+        return ChatAccess(
+            sandbox=SandboxSnapshot(
+                status=SandboxStatus(row.status),
+                phase=Phase(row.phase),
+                created_at=row.created_at,
+                phase_started_at=row.phase_started_at,
+                eta_seconds=row.eta_seconds,
+                error_message=row.error_message,
+            )
+        )
+
+    async def api_key(self, kid: str) -> ApiKeyRecord | None:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(api_keys).where(api_keys.c.id == kid))).first()
+        return None if row is None else ApiKeyRecord(**row._mapping)
+
+    async def touch_api_key(self, kid: str, now: datetime) -> None:
+        """Record use, at most once a minute per key (the WHERE makes it cheap and idempotent)."""
+        stale = now - LAST_USED_RESOLUTION
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(api_keys)
+                .where(
+                    api_keys.c.id == kid,
+                    or_(api_keys.c.last_used_at.is_(None), api_keys.c.last_used_at < stale),
+                )
+                .values(last_used_at=now)
+            )
+
+    # -- users, projects, chats, keys --------------------------------------------------
+    async def ensure_user(self, user_id: str, now: datetime) -> None:
+        """Create the user if absent (first valid session token); concurrent calls are fine."""
+        async with self.engine.begin() as conn:
+            stmt: Any
+            if conn.dialect.name == "postgresql":
+                stmt = pg_insert(users).on_conflict_do_nothing(index_elements=["id"])
+            else:
+                stmt = sqlite_insert(users).on_conflict_do_nothing(index_elements=["id"])
+            await conn.execute(stmt.values(id=user_id, created_at=now))
+
+    async def create_user(self, user_id: str, now: datetime) -> None:
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(insert(users).values(id=user_id, created_at=now))
+        except IntegrityError:
+            raise Conflict(
+                f"user {user_id} exists", detail=f"User {user_id} already exists."
+            ) from None
+
+    async def user_exists(self, user_id: str) -> bool:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(users.c.id).where(users.c.id == user_id))).first()
+        return row is not None
+
+    async def create_project(self, project: ProjectRecord) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(insert(projects).values(**_fields(project)))
+
+    async def project(self, project_id: str) -> ProjectRecord | None:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(projects).where(projects.c.id == project_id))).first()
+        return None if row is None else ProjectRecord(**row._mapping)
+
+    async def create_chat(self, chat: ChatRecord) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(insert(chats).values(**_fields(chat)))
+
+    async def create_api_key(self, key: ApiKeyRecord) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(insert(api_keys).values(**_fields(key)))
+
+    async def list_api_keys(self, user_id: str) -> list[ApiKeyRecord]:
+        query = (
+            select(api_keys)
+            .where(api_keys.c.user_id == user_id)
+            .order_by(api_keys.c.created_at, api_keys.c.id)
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [ApiKeyRecord(**row._mapping) for row in rows]
+
+    async def revoke_api_key(self, kid: str, now: datetime) -> None:
+        """Revoke a key; revoking twice keeps the first revocation time."""
+        async with self.engine.begin() as conn:
+            found = (await conn.execute(select(api_keys.c.id).where(api_keys.c.id == kid))).first()
+            if found is None:
+                raise NotFound(f"api key {kid} not found", detail=f"No API key {kid}.")
+            await conn.execute(
+                update(api_keys)
+                .where(api_keys.c.id == kid, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=now)
+            )
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__slots__}
