@@ -1,0 +1,296 @@
+"""Shared fixtures: a real database (SQLite always; PostgreSQL when IVY_TEST_POSTGRES_URL is
+set), a real limiter storage (memory; Redis when IVY_TEST_REDIS_URL is set), the app wired
+with a fake clock, and helpers to create users, chats, keys, sandboxes and session tokens.
+
+Every API test runs once per database backend: ``db`` is parametrized over both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from sqlalchemy import delete, insert
+from sqlalchemy.engine import make_url
+
+from fakes import FakeClock
+from ivy_sandbox.api.app import create_app
+from ivy_sandbox.auth.clerk import ClerkVerifier
+from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.config import Settings
+from ivy_sandbox.ratelimit import RateLimiter, make_storage
+from ivy_sandbox.services import accounts
+from ivy_sandbox.services.authentication import Authenticator
+from ivy_sandbox.storage.engine import create_engine
+from ivy_sandbox.storage.migrate import migrate
+from ivy_sandbox.storage.repository import Repository
+from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
+
+POSTGRES_URL = os.environ.get("IVY_TEST_POSTGRES_URL")
+REDIS_URL = os.environ.get("IVY_TEST_REDIS_URL")
+PEPPER = b"test-pepper"
+ISSUER = "https://clerk.test.example"
+AZP = "https://app.test.example"
+
+
+# -- databases -------------------------------------------------------------------------------
+def _asyncpg_url(url: str) -> str:
+    return str(make_url(url).set(drivername="postgresql+asyncpg"))
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file, copied for each test (migrating per test would be slow)."""
+    path = tmp_path_factory.mktemp("template") / "template.db"
+
+    async def build() -> None:
+        engine = create_engine(f"sqlite+aiosqlite:///{path}")
+        await migrate(engine)
+        await engine.dispose()
+
+    asyncio.run(build())
+    return path
+
+
+@pytest.fixture(scope="session")
+def postgres_database() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for this test session, dropped afterwards."""
+    if not POSTGRES_URL:
+        pytest.skip("IVY_TEST_POSTGRES_URL is not set (no PostgreSQL for this run)")
+    import asyncpg
+
+    admin_url = make_url(POSTGRES_URL).set(drivername="postgresql")
+    name = f"ivy_test_{uuid.uuid4().hex[:12]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(admin_url.render_as_string(hide_password=False))
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    async def create() -> str:
+        await admin(f'CREATE DATABASE "{name}"')
+        url = _asyncpg_url(admin_url.set(database=name).render_as_string(hide_password=False))
+        engine = create_engine(url)
+        await migrate(engine)
+        await engine.dispose()
+        return url
+
+    url = asyncio.run(create())
+    yield url
+    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        target = tmp_path / "ivy.db"
+        shutil.copy(request.getfixturevalue("sqlite_template"), target)
+        return f"sqlite+aiosqlite:///{target}"
+    url: str = request.getfixturevalue("postgres_database")
+    return url
+
+
+@pytest.fixture
+async def repository(database_url: str) -> AsyncIterator[Repository]:
+    engine = create_engine(database_url)
+    async with engine.begin() as conn:  # PostgreSQL is shared by the session: start clean
+        for table in (sandboxes, api_keys, chats, projects, users):
+            await conn.execute(delete(table))
+    yield Repository(engine)
+    await engine.dispose()
+
+
+# -- session tokens --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenFactory:
+    private_key: rsa.RSAPrivateKey
+    public_pem: str
+    clock: FakeClock
+
+    def claims(self, user_id: str = "user_alice", **overrides: Any) -> dict[str, Any]:
+        now = int(self.clock.time())
+        claims: dict[str, Any] = {
+            "sub": user_id,
+            "sid": "sess_123",
+            "iat": now - 1,
+            "nbf": now - 1,
+            "exp": now + 60,
+            "iss": ISSUER,
+            "azp": AZP,
+        }
+        claims.update(overrides)
+        return {k: v for k, v in claims.items() if v is not None}
+
+    def token(
+        self,
+        user_id: str = "user_alice",
+        *,
+        headers: dict[str, Any] | None = None,
+        key: Any = None,
+        algorithm: str = "RS256",
+        **claims: Any,
+    ) -> str:
+        header = {"kid": "test-key", "typ": "JWT"} | (headers or {})
+        return jwt.encode(
+            self.claims(user_id, **claims),
+            key if key is not None else self.private_key,
+            algorithm=algorithm,
+            headers=header,
+        )
+
+
+@pytest.fixture(scope="session")
+def rsa_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    # Real "now" so PyJWT's own checks and ours agree; tests move it forward explicitly.
+    return FakeClock(datetime.fromtimestamp(int(time.time())).astimezone())
+
+
+@pytest.fixture
+def tokens(rsa_key: rsa.RSAPrivateKey, clock: FakeClock) -> TokenFactory:
+    pem = rsa_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return TokenFactory(rsa_key, pem.decode(), clock)
+
+
+# -- the app ---------------------------------------------------------------------------------
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def limiter_storage_url(request: pytest.FixtureRequest) -> str | None:
+    if request.param == "memory":
+        return None
+    if not REDIS_URL:
+        pytest.skip("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
+    return REDIS_URL
+
+
+@pytest.fixture
+def limits() -> dict[str, str]:
+    """Rate limits for the app under test: high, so only rate-limit tests ever hit them."""
+    return {"per_user": "10000/minute", "per_chat": "10000/minute", "auth_failures": "10000/minute"}
+
+
+@pytest.fixture
+def limiter(limits: dict[str, str]) -> RateLimiter:
+    return RateLimiter(make_storage(None), **limits)
+
+
+def make_redis_limiter(limits: dict[str, str]) -> RateLimiter:
+    assert REDIS_URL
+    return RateLimiter(make_storage(REDIS_URL, key_prefix=f"ivy-test-{uuid.uuid4().hex}"), **limits)
+
+
+@pytest.fixture
+async def services(
+    tmp_path: Path,
+    repository: Repository,
+    tokens: TokenFactory,
+    clock: FakeClock,
+    limiter: RateLimiter,
+) -> AsyncIterator[Services]:
+    settings = Settings(data_dir=tmp_path, api_key_pepper=PEPPER.decode())
+    clerk = ClerkVerifier(
+        pem=tokens.public_pem,
+        issuer=ISSUER,
+        authorized_parties=frozenset({AZP}),
+        clock=clock.time,
+    )
+    authenticator = Authenticator(repository, PEPPER, clerk, clock)
+    wired = Services(settings, repository, authenticator, limiter, clerk, clock)
+    yield wired
+    await clerk.aclose()
+    await limiter.aclose()
+
+
+@pytest.fixture
+async def client(services: Services) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(services.settings, services=services)
+    transport = httpx.ASGITransport(app=app, client=("203.0.113.7", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://ivy.test") as c:
+        yield c
+
+
+# -- data helpers ----------------------------------------------------------------------------
+@dataclass
+class World:
+    """Creates users, projects, chats, keys and sandbox rows through the real use cases."""
+
+    repository: Repository
+    clock: FakeClock
+
+    async def user(self, user_id: str = "user_alice") -> str:
+        if not await self.repository.user_exists(user_id):
+            await accounts.create_user(self.repository, self.clock, user_id)
+        return user_id
+
+    async def project(self, user_id: str = "user_alice", name: str = "proj") -> str:
+        await self.user(user_id)
+        return (await accounts.create_project(self.repository, self.clock, user_id, name)).id
+
+    async def chat(self, user_id: str = "user_alice", project_id: str | None = None) -> str:
+        await self.user(user_id)
+        chat = await accounts.create_chat(self.repository, self.clock, user_id, project_id)
+        return chat.id
+
+    async def key(
+        self,
+        user_id: str = "user_alice",
+        project_id: str | None = None,
+        expires_in: timedelta | None = None,
+    ) -> str:
+        await self.user(user_id)
+        created = await accounts.create_api_key(
+            self.repository,
+            self.clock,
+            PEPPER,
+            user_id,
+            project_id=project_id,
+            expires_in=expires_in,
+        )
+        return created.key
+
+    async def sandbox(self, chat_id: str, status: str, phase: str, **fields: Any) -> None:
+        now = self.clock.now()
+        values: dict[str, Any] = {
+            "id": f"sbx_{uuid.uuid4().hex[:20]}",
+            "chat_id": chat_id,
+            "status": status,
+            "phase": phase,
+            "created_at": now,
+            "phase_started_at": now,
+            "updated_at": now,
+            "backend": "test",
+            "backend_state": {},
+        }
+        values.update(fields)
+        async with self.repository.engine.begin() as conn:
+            await conn.execute(insert(sandboxes).values(**values))
+
+
+@pytest.fixture
+def world(repository: Repository, clock: FakeClock) -> World:
+    return World(repository, clock)
+
+
+@pytest.fixture
+def bearer() -> Callable[[str], dict[str, str]]:
+    return lambda credential: {"Authorization": f"Bearer {credential}"}
