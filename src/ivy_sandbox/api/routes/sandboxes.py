@@ -6,11 +6,27 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse
+from starlette.convertors import Convertor, register_url_convertor
 
 from ivy_sandbox.api.deps import CurrentPrincipal, ServicesDep
 from ivy_sandbox.api.schemas import PROBLEM_RESPONSES
 from ivy_sandbox.domain.sandbox import StatusBody
 from ivy_sandbox.services import sandboxes
+
+
+class AnyTextConvertor(Convertor[str]):
+    """Matches any text, newlines and slashes included (Starlette's ``path`` stops at ``\n``)."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("anytext", AnyTextConvertor())
 
 router = APIRouter(tags=["sandbox"])
 
@@ -26,10 +42,10 @@ STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-# `:path` lets any chatId through (even with encoded slashes), so every input reaches the
-# one authorization decision and gets the uniform 403 — never a router 404.
+# `:anytext` lets any chatId through (encoded slashes, newlines, empty), so every input reaches
+# the one authorization decision and gets the uniform 403 — never a router 404.
 @router.get(
-    "/sandbox/{chatId:path}/status",
+    "/sandbox/{chatId:anytext}/status",
     summary="Get sandbox status",
     description=(
         "Returns the current state of your chat's sandbox. `status` is `none` when the chat "
