@@ -41,7 +41,16 @@ from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, use
 
 POSTGRES_URL = os.environ.get("IVY_TEST_POSTGRES_URL")
 REDIS_URL = os.environ.get("IVY_TEST_REDIS_URL")
+# CI sets this: a missing PostgreSQL or Redis is then a failure, not a skip.
+REQUIRE_SERVICES = os.environ.get("IVY_TEST_REQUIRE_SERVICES") == "1"
 PEPPER = b"test-pepper"
+
+
+def service_unavailable(reason: str) -> None:
+    """Skip (on a laptop without the service) or fail (in CI, which must have it)."""
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{reason}, but IVY_TEST_REQUIRE_SERVICES=1")
+    pytest.skip(reason)
 ISSUER = "https://clerk.test.example"
 AZP = "https://app.test.example"
 
@@ -69,7 +78,7 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def postgres_database() -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for this test session, dropped afterwards."""
     if not POSTGRES_URL:
-        pytest.skip("IVY_TEST_POSTGRES_URL is not set (no PostgreSQL for this run)")
+        service_unavailable("IVY_TEST_POSTGRES_URL is not set (no PostgreSQL for this run)")
     import asyncpg
 
     admin_url = make_url(POSTGRES_URL).set(drivername="postgresql")
@@ -179,7 +188,7 @@ def limiter_storage_url(request: pytest.FixtureRequest) -> str | None:
     if request.param == "memory":
         return None
     if not REDIS_URL:
-        pytest.skip("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
+        service_unavailable("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
     return REDIS_URL
 
 
