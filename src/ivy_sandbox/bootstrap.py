@@ -41,15 +41,32 @@ async def open_repository(settings: Settings, *, run_migrations: bool = True) ->
     return Repository(engine)
 
 
-async def build_services(settings: Settings, clock: Clock | None = None) -> Services:
-    clock = clock or SystemClock()
-    repository = await open_repository(settings)
-    clerk = ClerkVerifier(
+def clerk_verifier(settings: Settings) -> ClerkVerifier:
+    """The session-token verifier; raises ConfigurationError for an unusable key."""
+    return ClerkVerifier(
         pem=settings.clerk_jwt_key,
         jwks_url=settings.clerk_jwks_url,
         issuer=settings.clerk_issuer,
         authorized_parties=settings.clerk_authorized_parties,
     )
+
+
+async def preflight(settings: Settings) -> None:
+    """Everything that can be wrong before serving: data dir, pepper, keys, database.
+
+    ``serve`` runs this first so that a bad setting ends start-up with one clear line
+    instead of a traceback from inside the server's lifespan.
+    """
+    api_key_pepper(settings)
+    await clerk_verifier(settings).aclose()
+    repository = await open_repository(settings)
+    await repository.engine.dispose()
+
+
+async def build_services(settings: Settings, clock: Clock | None = None) -> Services:
+    clock = clock or SystemClock()
+    repository = await open_repository(settings)
+    clerk = clerk_verifier(settings)
     limiter = RateLimiter(
         make_storage(settings.redis_url),
         per_user=settings.rate_limit,

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -70,8 +70,13 @@ def run_with_repository(settings: Settings, use_case: Callable[[Repository], Awa
         finally:
             await repository.engine.dispose()
 
+    return run_or_fail(main())
+
+
+def run_or_fail(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine``; turn every expected failure into one line on stderr."""
     try:
-        return asyncio.run(main())
+        return asyncio.run(coroutine)
     except ApiError as exc:
         fail(exc.detail)
     except ConfigurationError as exc:
@@ -97,13 +102,12 @@ def serve(
     import uvicorn
 
     from ivy_sandbox.api.app import create_app
+    from ivy_sandbox.bootstrap import preflight
 
     settings = settings_or_exit()
+    run_or_fail(preflight(settings))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
-    except (ConfigurationError, OSError) as exc:
-        fail(str(exc), 2)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
 
 
 @app.command()

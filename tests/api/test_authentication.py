@@ -316,3 +316,29 @@ async def test_cached_session_token_is_refused_once_expired(
     assert (await send(chat, headers)).status_code == 200
     clock.advance(16)
     assert_unauthenticated(await send(chat, headers))
+
+
+async def test_no_key_token_or_cookie_ever_appears_in_a_log_line(
+    send: Send,
+    world: World,
+    tokens: TokenFactory,
+    services: Services,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("DEBUG")
+    chat = await world.chat()
+    key = await world.key()
+    revoked = await world.key()
+    await services.repository.revoke_api_key(revoked.split("_")[1], clock.now())
+    token = tokens.token()
+    secrets = [key, revoked, _flip_last_char(key), token, token[:-5], "not-a-token"]
+    for secret in secrets:
+        for form in ("x-ivy-api-key", "bearer", "session-cookie"):
+            await send(chat, CREDENTIAL_FORMS[form](secret))
+            await send("chat_other", CREDENTIAL_FORMS[form](secret))
+    assert caplog.records, "the requests above should have logged their 401s and 403s"
+    logged = caplog.text
+    for secret in secrets:
+        assert secret not in logged
+        assert secret.split("_")[-1][-20:] not in logged  # not even the secret's tail

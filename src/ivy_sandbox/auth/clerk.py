@@ -147,9 +147,9 @@ def _load_pem(pem: str) -> jwt.PyJWK:
     try:
         public_key = load_pem_public_key(text.encode("ascii"))
     except (ValueError, TypeError, UnicodeEncodeError) as exc:
-        raise ConfigurationError("Clerk JWT key: not a PEM public key") from exc
+        raise ConfigurationError("IVY_CLERK_JWT_KEY: not a valid PEM public key") from exc
     if not isinstance(public_key, RSAPublicKey):
-        raise ConfigurationError("Clerk JWT key: not an RSA public key (RS256 only)")
+        raise ConfigurationError("IVY_CLERK_JWT_KEY: not an RSA public key (Clerk signs with RS256)")
     return jwt.PyJWK(RSAAlgorithm.to_jwk(public_key, as_dict=True), algorithm=_ALGORITHM)
 
 

@@ -20,7 +20,7 @@ from ivy_sandbox.auth.credentials import Credential, CredentialType
 from ivy_sandbox.auth.principal import CredentialKind, Principal
 from ivy_sandbox.errors import AuthenticationFailed
 from ivy_sandbox.services.clock import Clock
-from ivy_sandbox.storage.repository import ApiKeyRecord, Repository
+from ivy_sandbox.storage.repository import LAST_USED_RESOLUTION, ApiKeyRecord, Repository
 
 KEY_CACHE_SECONDS = 5.0
 MAX_CACHED_KEYS = 100_000
@@ -77,7 +77,9 @@ class Authenticator:
         if len(self._keys) >= MAX_CACHED_KEYS:
             self._keys.clear()
         self._keys[digest] = _CachedKey(principal, tick + KEY_CACHE_SECONDS, record.expires_at)
-        await self._repository.touch_api_key(record.id, now)
+        if record.last_used_at is None or now - record.last_used_at >= LAST_USED_RESOLUTION:
+            # Conditional in SQL too, so several processes still write at most once a minute.
+            await self._repository.touch_api_key(record.id, now)
         return principal
 
     @staticmethod
