@@ -29,6 +29,8 @@ from sqlalchemy.engine import make_url
 from fakes import FakeClock
 from ivy_sandbox.api.app import create_app
 from ivy_sandbox.auth.clerk import ClerkVerifier
+from ivy_sandbox.backends.base import SandboxBackend
+from ivy_sandbox.backends.fake import FakeBackend
 from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.config import Settings
 from ivy_sandbox.ratelimit import RateLimiter, make_storage
@@ -37,7 +39,9 @@ from ivy_sandbox.services.authentication import Authenticator
 from ivy_sandbox.storage.engine import create_engine
 from ivy_sandbox.storage.migrate import migrate
 from ivy_sandbox.storage.repository import Repository
-from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
+from ivy_sandbox.storage.tables import api_keys, chats, phase_stats, projects, sandboxes, users
+from ivy_sandbox.workers.provisioner import Provisioner
+from ivy_sandbox.workers.steps import EngineSettings
 
 POSTGRES_URL = os.environ.get("IVY_TEST_POSTGRES_URL")
 REDIS_URL = os.environ.get("IVY_TEST_REDIS_URL")
@@ -51,6 +55,8 @@ def service_unavailable(reason: str) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"{reason}, but IVY_TEST_REQUIRE_SERVICES=1")
     pytest.skip(reason)
+
+
 ISSUER = "https://clerk.test.example"
 AZP = "https://app.test.example"
 
@@ -118,7 +124,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 async def repository(database_url: str) -> AsyncIterator[Repository]:
     engine = create_engine(database_url)
     async with engine.begin() as conn:  # PostgreSQL is shared by the session: start clean
-        for table in (sandboxes, api_keys, chats, projects, users):
+        for table in (sandboxes, api_keys, chats, projects, users, phase_stats):
             await conn.execute(delete(table))
     yield Repository(engine)
     await engine.dispose()
@@ -215,6 +221,7 @@ async def services(
     tokens: TokenFactory,
     clock: FakeClock,
     limiter: RateLimiter,
+    backend: SandboxBackend,
 ) -> AsyncIterator[Services]:
     settings = Settings(data_dir=tmp_path, api_key_pepper=PEPPER.decode())
     clerk = ClerkVerifier(
@@ -224,10 +231,41 @@ async def services(
         clock=clock.time,
     )
     authenticator = Authenticator(repository, PEPPER, clerk, clock)
-    wired = Services(settings, repository, authenticator, limiter, clerk, clock)
+    wired = Services(settings, repository, authenticator, limiter, clerk, clock, backend)
     yield wired
+    if wired.provisioner is not None:
+        await wired.provisioner.aclose()
     await clerk.aclose()
     await limiter.aclose()
+
+
+@pytest.fixture
+def backend() -> SandboxBackend:
+    """The sandbox backend under the app: the fake one unless a test module overrides it."""
+    return FakeBackend()
+
+
+@pytest.fixture
+def engine_settings() -> EngineSettings:
+    return EngineSettings(
+        capacity_timeout=5, compute_timeout=5, mount_timeout=5, ready_timeout=5, lease_ttl=3
+    )
+
+
+@pytest.fixture
+async def worker(services: Services, engine_settings: EngineSettings) -> Provisioner:
+    """A running provisioning worker wired into ``services`` (launches get driven)."""
+    provisioner = Provisioner(
+        services.sandboxes,
+        services.backend,
+        services.clock,
+        engine_settings,
+        poll_interval=0.05,
+        monitor_interval=0.05,
+    )
+    services.provisioner = provisioner
+    await provisioner.start()
+    return provisioner
 
 
 @pytest.fixture

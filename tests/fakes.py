@@ -24,3 +24,20 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         self._now += timedelta(seconds=seconds)
         self._monotonic += seconds
+
+
+class WallClock:
+    """The real clock, with the ``time()`` the token factory needs (for engine tests)."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+    def monotonic(self) -> float:
+        import time
+
+        return time.monotonic()
+
+    def time(self) -> float:
+        import time
+
+        return time.time()

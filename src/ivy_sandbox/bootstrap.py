@@ -6,16 +6,25 @@ on the database, the pepper and the limits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ivy_sandbox.auth.clerk import ClerkVerifier
+from ivy_sandbox.backends.base import ResourceLimits, SandboxBackend
+from ivy_sandbox.backends.fake import latency_backend
 from ivy_sandbox.config import Settings, api_key_pepper, ensure_data_dir
 from ivy_sandbox.ratelimit import RateLimiter, make_storage
 from ivy_sandbox.services.authentication import Authenticator
 from ivy_sandbox.services.clock import Clock, SystemClock
+from ivy_sandbox.services.sandboxes import SandboxContext
 from ivy_sandbox.storage.engine import create_engine
 from ivy_sandbox.storage.migrate import migrate
 from ivy_sandbox.storage.repository import Repository
+from ivy_sandbox.storage.sandboxes import SandboxRepository
+from ivy_sandbox.workers.provisioner import Provisioner
+from ivy_sandbox.workers.steps import EngineSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,12 +34,64 @@ class Services:
     authenticator: Authenticator
     limiter: RateLimiter
     clerk: ClerkVerifier
-    clock: Clock = field(default_factory=SystemClock)
+    clock: Clock
+    backend: SandboxBackend
+    provisioner: Provisioner | None = None
+    sandboxes: SandboxRepository = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sandboxes = SandboxRepository(self.repository.engine)
+
+    @property
+    def sandbox_context(self) -> SandboxContext:
+        return SandboxContext(
+            repository=self.repository,
+            sandboxes=self.sandboxes,
+            backend=self.backend,
+            limiter=self.limiter,
+            clock=self.clock,
+            kick_worker=self.provisioner.kick if self.provisioner else _no_worker,
+        )
 
     async def aclose(self) -> None:
+        if self.provisioner is not None:
+            await self.provisioner.aclose()
+        await self.backend.aclose()
         await self.clerk.aclose()
         await self.limiter.aclose()
         await self.repository.engine.dispose()
+
+
+def _no_worker() -> None:
+    """No in-process worker: separate `ivy-sandbox worker` processes poll for launches."""
+
+
+def engine_settings(settings: Settings) -> EngineSettings:
+    return EngineSettings(
+        max_sandboxes=settings.max_sandboxes,
+        capacity_timeout=settings.capacity_timeout,
+        compute_timeout=settings.compute_timeout,
+        mount_timeout=settings.mount_timeout,
+        ready_timeout=settings.ready_timeout,
+        idle_timeout=settings.sandbox_idle_timeout,
+        network=settings.sandbox_network,
+        limits=ResourceLimits(
+            memory_bytes=settings.sandbox_memory_bytes,
+            pids=settings.sandbox_pids,
+            cpus=settings.sandbox_cpus,
+        ),
+    )
+
+
+def make_backend(settings: Settings) -> SandboxBackend:
+    """The configured backend. ``latency-fake`` runs nothing: it exists for benchmarks."""
+    if settings.sandbox_backend == "latency-fake":
+        return latency_backend()
+    from ivy_sandbox.backends.local import LocalBackend
+
+    backend = LocalBackend(ensure_data_dir(settings).resolve())
+    log.info("local sandboxes: limits enforced by %s", backend.enforced_limits().summary())
+    return backend
 
 
 async def open_repository(settings: Settings, *, run_migrations: bool = True) -> Repository:
@@ -63,7 +124,9 @@ async def preflight(settings: Settings) -> None:
     await repository.engine.dispose()
 
 
-async def build_services(settings: Settings, clock: Clock | None = None) -> Services:
+async def build_services(
+    settings: Settings, clock: Clock | None = None, *, with_worker: bool = False
+) -> Services:
     clock = clock or SystemClock()
     repository = await open_repository(settings)
     clerk = clerk_verifier(settings)
@@ -72,6 +135,13 @@ async def build_services(settings: Settings, clock: Clock | None = None) -> Serv
         per_user=settings.rate_limit,
         per_chat=settings.rate_limit_per_chat,
         auth_failures=settings.auth_failure_limit,
+        per_launch=settings.rate_limit_launch,
     )
     authenticator = Authenticator(repository, api_key_pepper(settings), clerk, clock)
-    return Services(settings, repository, authenticator, limiter, clerk, clock)
+    backend = make_backend(settings)
+    services = Services(settings, repository, authenticator, limiter, clerk, clock, backend)
+    if with_worker:
+        services.provisioner = Provisioner(
+            services.sandboxes, backend, clock, engine_settings(settings)
+        )
+    return services

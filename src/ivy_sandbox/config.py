@@ -11,7 +11,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from limits import parse_many
 from pydantic import Field, ValidationError, field_validator
@@ -22,6 +22,23 @@ from ivy_sandbox.errors import ConfigurationError
 PEPPER_FILE = "api-key-pepper"
 
 
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_size(value: str) -> int:
+    """``512M`` → bytes (K, M, G are powers of 1024; a bare number is bytes)."""
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"not a size like 512M or 2G: {value!r}") from None
+    if size < 16 * 1024 * 1024:
+        raise ValueError("must be at least 16M")
+    return size
+
+
 def _check_rate_limit(value: str) -> str:
     try:
         parsed = parse_many(value)
@@ -29,6 +46,8 @@ def _check_rate_limit(value: str) -> str:
         raise ValueError(f"not a rate limit in `limits` notation (e.g. 600/minute): {exc}") from exc
     if len(parsed) != 1:
         raise ValueError("give exactly one rate limit, e.g. 600/minute")
+    if parsed[0].amount < 1:
+        raise ValueError("must allow at least one request per window")
     return value
 
 
@@ -51,8 +70,36 @@ class Settings(BaseSettings):
     rate_limit: str = "600/minute"
     rate_limit_per_chat: str = "120/minute"
     auth_failure_limit: str = "60/minute"
+    rate_limit_launch: str = "30/minute"
 
-    @field_validator("rate_limit", "rate_limit_per_chat", "auth_failure_limit")
+    # Sandboxes (issue: lifecycle). Times are seconds.
+    sandbox_backend: Literal["local", "latency-fake"] = "local"
+    sandbox_network: bool = False
+    max_sandboxes: int = Field(default=50, ge=1)
+    sandbox_idle_timeout: float = Field(default=900.0, gt=0)
+    capacity_timeout: float = Field(default=300.0, gt=0)
+    compute_timeout: float = Field(default=60.0, gt=0)
+    mount_timeout: float = Field(default=30.0, gt=0)
+    ready_timeout: float = Field(default=30.0, gt=0)
+    sandbox_memory: str = "512M"
+    sandbox_pids: int = Field(default=256, ge=8)
+    sandbox_cpus: float = Field(default=1.0, gt=0)
+    exec_output_limit: int = Field(default=1024 * 1024, ge=1024)
+    exec_max_timeout: float = Field(default=3600.0, gt=0)
+    max_request_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    run_worker: bool = True  # serve drives launches in-process; false when using `worker`
+
+    @field_validator("sandbox_memory")
+    @classmethod
+    def _memory_size(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+    @property
+    def sandbox_memory_bytes(self) -> int:
+        return parse_size(self.sandbox_memory)
+
+    @field_validator("rate_limit", "rate_limit_per_chat", "auth_failure_limit", "rate_limit_launch")
     @classmethod
     def _valid_rate_limit(cls, value: str) -> str:
         return _check_rate_limit(value)

@@ -1,4 +1,5 @@
-"""Rate limits (the `limits` library): per user, per (user, chat), and failed logins per IP.
+"""Rate limits (the `limits` library): per user, per (user, chat), launches per user, and
+failed logins per IP.
 
 Sliding-window counters: cheap (two counters per key), smooth at window edges, and
 supported by both the in-memory storage (one process) and Redis (shared by replicas).
@@ -40,9 +41,9 @@ class Policy:
 def make_storage(redis_url: str | None, key_prefix: str = "ivy-sandbox") -> Storage:
     if redis_url is None:
         return MemoryStorage()
-    uri = redis_url.replace("redis://", "async+redis://", 1).replace(
-        "rediss://", "async+rediss://", 1
-    )
+    scheme, _, rest = redis_url.partition("://")
+    async_scheme = {"redis": "async+redis", "rediss": "async+rediss", "unix": "async+redis+unix"}
+    uri = f"{async_scheme[scheme]}://{rest}"
     return RedisStorage(uri, implementation="redispy", key_prefix=key_prefix)
 
 
@@ -56,18 +57,24 @@ class RateLimiter:
         per_user: str,
         per_chat: str,
         auth_failures: str,
+        per_launch: str = "30/minute",
     ) -> None:
         self.storage = storage
         self._limiter = SlidingWindowCounterRateLimiter(storage)
         self.user = Policy("user", parse(per_user))
         self.chat = Policy("chat", parse(per_chat))
         self.auth_failures = Policy("auth-failures", parse(auth_failures))
+        self.launch = Policy("launch", parse(per_launch))
 
     async def check_user(self, user_id: str) -> None:
         await self._hit(self.user, "u", user_id)
 
     async def check_chat(self, user_id: str, chat_id: str) -> None:
         await self._hit(self.chat, "c", user_id, chat_id)
+
+    async def check_launch(self, user_id: str) -> None:
+        """Launches start real processes: a smaller budget on top of the per-user one."""
+        await self._hit(self.launch, "l", user_id)
 
     async def record_auth_failure(self, client_ip: str) -> None:
         """Count a failed authentication; raise RateLimited once the IP is over its limit."""

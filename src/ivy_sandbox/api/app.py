@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 import ivy_sandbox
-from ivy_sandbox.api.middleware import SecurityHeadersMiddleware
+from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
 from ivy_sandbox.api.problems import install_error_handlers
 from ivy_sandbox.api.routes import sandboxes
 from ivy_sandbox.api.schemas import Problem
@@ -52,7 +52,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     for path_item in schema.get("paths", {}).values():
         for operation in path_item.values():
             operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
-            operation.get("responses", {}).pop("422", None)
+            responses = operation.get("responses", {})
+            if responses.get("422", {}).get("description") == "Validation Error":
+                responses.pop("422")  # FastAPI's generic one; documented 422s stay
     schemas = schema["components"].setdefault("schemas", {})
     schemas["Problem"] = Problem.model_json_schema()
     for unused in ("HTTPValidationError", "ValidationError"):
@@ -67,7 +69,11 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = services is None
-        app.state.services = services if services is not None else await build_services(settings)
+        if services is None:
+            built = await build_services(settings, with_worker=settings.run_worker)
+            if built.provisioner is not None:
+                await built.provisioner.start()
+            app.state.services = built
         try:
             yield
         finally:
@@ -86,6 +92,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(sandboxes.router, prefix=API_PREFIX)
     app.include_router(sandboxes.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(SecurityHeadersMiddleware)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

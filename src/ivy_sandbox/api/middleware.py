@@ -32,3 +32,71 @@ class SecurityHeadersMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413, before they are buffered whole.
+
+    A declared Content-Length over the limit is refused at once; a chunked body is counted
+    as it streams and refused as soon as it passes the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
+                await self._refuse(send)
+                return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        from ivy_sandbox.api.problems import problem_response
+
+        response = problem_response(
+            413,
+            "payload_too_large",
+            "Content Too Large",
+            f"The request body is larger than {self.max_bytes} bytes.",
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    *response.raw_headers,
+                    *SECURITY_HEADERS,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})

@@ -149,7 +149,9 @@ def _load_pem(pem: str) -> jwt.PyJWK:
     except (ValueError, TypeError, UnicodeEncodeError) as exc:
         raise ConfigurationError("IVY_CLERK_JWT_KEY: not a valid PEM public key") from exc
     if not isinstance(public_key, RSAPublicKey):
-        raise ConfigurationError("IVY_CLERK_JWT_KEY: not an RSA public key (Clerk signs with RS256)")
+        raise ConfigurationError(
+            "IVY_CLERK_JWT_KEY: not an RSA public key (Clerk signs with RS256)"
+        )
     return jwt.PyJWK(RSAAlgorithm.to_jwk(public_key, as_dict=True), algorithm=_ALGORITHM)
 
 

@@ -72,7 +72,7 @@ class SandboxSnapshot:
     phase: Phase
     created_at: datetime
     phase_started_at: datetime
-    eta_seconds: int | None = None  # estimate of seconds to ready, as of phase_started_at
+    eta_seconds: float | None = None  # estimate of seconds to ready, as of phase_started_at
     error_message: str | None = None
 
 

@@ -7,9 +7,10 @@ database; PostgreSQL a transaction-scoped advisory lock.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from alembic import command
@@ -30,13 +31,18 @@ def alembic_config() -> Config:
     return config
 
 
-@contextmanager
-def _file_lock(path: str | None) -> Iterator[None]:
+@asynccontextmanager
+async def _file_lock(path: str | None) -> AsyncIterator[None]:
+    """Serialise migrations of one SQLite file across processes (and tasks of this one).
+
+    ``flock`` blocks, so it is taken in a thread: a second migrate() in the same event loop
+    then waits without stalling the loop the first one needs to finish.
+    """
     if path is None:
         yield
         return
-    with open(f"{path}.migrate.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(f"{path}.migrate.lock", "w") as handle:  # noqa: ASYNC230 - a local lock file
+        await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -53,9 +59,8 @@ def _upgrade(connection: Connection, revision: str) -> None:
 
 async def migrate(engine: AsyncEngine, revision: str = "head") -> None:
     """Upgrade the database behind ``engine`` to ``revision``."""
-    with _file_lock(sqlite_path(str(engine.url))):
-        async with engine.begin() as connection:
-            await connection.run_sync(_upgrade, revision)
+    async with _file_lock(sqlite_path(str(engine.url))), engine.begin() as connection:
+        await connection.run_sync(_upgrade, revision)
 
 
 def head_revision() -> str:

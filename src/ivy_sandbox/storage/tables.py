@@ -14,6 +14,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -123,7 +124,8 @@ sandboxes = Table(
     Column("phase", String(16), nullable=False),  # compute | mount | ready | failed
     Column("error_code", String(64), nullable=True),
     Column("error_message", Text(), nullable=True),
-    Column("eta_seconds", Integer(), nullable=True),  # estimate at phase_started_at
+    # Estimated seconds until ready, as of phase_started_at (NULL: unknown, e.g. queued).
+    Column("eta_seconds", Float(), nullable=True),
     Column("created_at", UTCDateTime(), nullable=False),
     Column("phase_started_at", UTCDateTime(), nullable=False),
     Column("ready_at", UTCDateTime(), nullable=True),
@@ -133,5 +135,20 @@ sandboxes = Table(
     Column("backend_state", JSON(), nullable=False, default=dict),
     Column("lease_owner", String(128), nullable=True),
     Column("lease_expires_at", UTCDateTime(), nullable=True),
+    # Set when the sandbox got one of the IVY_MAX_SANDBOXES slots; NULL while queued.
+    Column("admitted_at", UTCDateTime(), nullable=True),
+    # [{"phase": "compute", "startedAt": "...", "endedAt": "..." | null}, ...]
+    Column("timeline", JSON(), nullable=False, default=list),
     Index(None, "status"),
+)
+
+# Rolling per-phase launch statistics per backend, for the ETA (survive restarts).
+phase_stats = Table(
+    "phase_stats",
+    metadata,
+    Column("backend", String(64), primary_key=True),
+    Column("phase", String(16), primary_key=True),
+    Column("samples", Integer(), nullable=False),
+    Column("mean_seconds", Float(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
 )

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 from ivy_sandbox.api.deps import CurrentPrincipal, ServicesDep
-from ivy_sandbox.api.schemas import PROBLEM_RESPONSES
+from ivy_sandbox.api.schemas import PROBLEM_RESPONSES, ExecBody, ExecResponse, SandboxDetail
+from ivy_sandbox.backends.base import ExecRequest
 from ivy_sandbox.domain.sandbox import StatusBody
 from ivy_sandbox.services import sandboxes
 
@@ -66,4 +67,133 @@ async def get_sandbox_status(
         limiter=services.limiter,
         clock=services.clock,
     )
+    return JSONResponse(body)
+
+
+# The routes below share the `anytext` chatId; those with a suffix (/exec, /keepalive) are
+# registered before the bare /sandbox/{chatId} ones so the suffix is never read as an id.
+SANDBOX_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: PROBLEM_RESPONSES[401],
+    403: PROBLEM_RESPONSES[403],
+    429: PROBLEM_RESPONSES[429],
+}
+
+
+@router.post(
+    "/sandbox/{chatId:anytext}/exec",
+    summary="Run a command in the sandbox",
+    description=(
+        "Runs `command` inside the chat's active sandbox, with `/workspace` as the default "
+        "working directory, and returns its exit code and output. Output beyond the server's "
+        "limit is cut (`truncated`); after `timeoutSeconds` the command and every process it "
+        "started are killed (`timedOut`, exit code 137). 409 unless the sandbox is active."
+    ),
+    operation_id="execInSandbox",
+    response_model=ExecResponse,
+    responses={
+        **SANDBOX_RESPONSES,
+        409: PROBLEM_RESPONSES[409],
+        413: PROBLEM_RESPONSES[413],
+        422: PROBLEM_RESPONSES[422],
+    },
+)
+async def exec_in_sandbox(
+    chat_id: ChatIdPath, body: ExecBody, principal: CurrentPrincipal, services: ServicesDep
+) -> ExecResponse:
+    settings = services.settings
+    request = ExecRequest(
+        command=body.command,
+        timeout_seconds=min(body.timeoutSeconds, settings.exec_max_timeout),
+        cwd=body.cwd,
+        env=body.env,
+        stdin=body.stdin.encode(),
+        output_limit_bytes=settings.exec_output_limit,
+    )
+    result = await sandboxes.execute(services.sandbox_context, principal, chat_id, request)
+    return ExecResponse(
+        exitCode=result.exit_code,
+        stdout=result.stdout.decode(errors="replace"),
+        stderr=result.stderr.decode(errors="replace"),
+        durationMs=result.duration_ms,
+        truncated=result.truncated,
+        timedOut=result.timed_out,
+    )
+
+
+@router.post(
+    "/sandbox/{chatId:anytext}/keepalive",
+    summary="Keep the sandbox from being reaped as idle",
+    description="Counts as activity for idle reaping (status polls do not). 409 unless active.",
+    operation_id="keepSandboxAlive",
+    response_class=JSONResponse,
+    responses={
+        200: {"model": StatusBody, "description": "Current sandbox state"},
+        **SANDBOX_RESPONSES,
+        409: PROBLEM_RESPONSES[409],
+    },
+)
+async def keep_sandbox_alive(
+    chat_id: ChatIdPath, principal: CurrentPrincipal, services: ServicesDep
+) -> JSONResponse:
+    body = await sandboxes.keep_alive(services.sandbox_context, principal, chat_id)
+    return JSONResponse(body)
+
+
+@router.post(
+    "/sandbox/{chatId:anytext}",
+    summary="Launch the chat's sandbox",
+    description=(
+        "Starts a sandbox for the chat and returns at once with its status (202); watch it "
+        "with the status endpoint. Idempotent: while a sandbox is provisioning or active the "
+        "current one is returned; after `failed` a new one replaces it."
+    ),
+    operation_id="launchSandbox",
+    status_code=202,
+    response_class=JSONResponse,
+    responses={
+        202: {"model": StatusBody, "description": "Current sandbox state"},
+        **SANDBOX_RESPONSES,
+    },
+)
+async def launch_sandbox(
+    chat_id: ChatIdPath, principal: CurrentPrincipal, services: ServicesDep
+) -> JSONResponse:
+    body = await sandboxes.launch(services.sandbox_context, principal, chat_id)
+    return JSONResponse(body, status_code=202)
+
+
+@router.delete(
+    "/sandbox/{chatId:anytext}",
+    summary="Stop the chat's sandbox",
+    description="Stops the sandbox from any state; the chat's workspace is kept.",
+    operation_id="stopSandbox",
+    response_class=JSONResponse,
+    responses={
+        200: {"model": StatusBody, "description": "Current sandbox state"},
+        **SANDBOX_RESPONSES,
+    },
+)
+async def stop_sandbox(
+    chat_id: ChatIdPath, principal: CurrentPrincipal, services: ServicesDep
+) -> JSONResponse:
+    body = await sandboxes.stop(services.sandbox_context, principal, chat_id)
+    return JSONResponse(body)
+
+
+@router.get(
+    "/sandbox/{chatId:anytext}",
+    summary="Get the sandbox's full record",
+    description=(
+        "The status fields plus `errorCode`, the phase timeline, `readyAt`, `lastActivityAt` "
+        "and, while a launch waits for capacity, its place in the queue."
+    ),
+    operation_id="getSandbox",
+    response_model=SandboxDetail,
+    response_model_exclude_none=True,
+    responses=SANDBOX_RESPONSES,
+)
+async def get_sandbox(
+    chat_id: ChatIdPath, principal: CurrentPrincipal, services: ServicesDep
+) -> JSONResponse:
+    body = await sandboxes.detail(services.sandbox_context, principal, chat_id)
     return JSONResponse(body)

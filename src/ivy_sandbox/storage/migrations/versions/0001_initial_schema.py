@@ -95,7 +95,7 @@ def upgrade() -> None:
         sa.Column("phase", sa.String(length=16), nullable=False),
         sa.Column("error_code", sa.String(length=64), nullable=True),
         sa.Column("error_message", sa.Text(), nullable=True),
-        sa.Column("eta_seconds", sa.Integer(), nullable=True),
+        sa.Column("eta_seconds", sa.Float(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("phase_started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("ready_at", sa.DateTime(timezone=True), nullable=True),

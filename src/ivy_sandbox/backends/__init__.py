@@ -1,0 +1,1 @@
+"""Sandbox backends, each one module implementing ``backends.base.SandboxBackend``."""

@@ -1,0 +1,406 @@
+"""Sandbox rows: the lifecycle's source of truth, and every query the engine makes on them.
+
+Writes by a worker are *fenced*: they name the sandbox id, the expected status and the lease
+owner, and report whether a row changed. A worker that gets ``False`` has lost the sandbox
+(stopped by a user, relaunched, or taken over after its lease expired) and must let go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, func, insert, or_, select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ivy_sandbox.domain.eta import PhaseStat
+from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
+from ivy_sandbox.storage.tables import phase_stats, sandboxes
+
+PG_ADMISSION_LOCK = 0x1A7_AD01
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxRecord:
+    id: str
+    chat_id: str
+    status: SandboxStatus
+    phase: Phase
+    error_code: str | None
+    error_message: str | None
+    eta_seconds: float | None
+    created_at: datetime
+    phase_started_at: datetime
+    ready_at: datetime | None
+    last_activity_at: datetime | None
+    updated_at: datetime
+    backend: str
+    backend_state: dict[str, Any]
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    admitted_at: datetime | None
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_row(cls, row: Any) -> SandboxRecord:
+        values = dict(row._mapping)
+        values["status"] = SandboxStatus(values["status"])
+        values["phase"] = Phase(values["phase"])
+        values["backend_state"] = values["backend_state"] or {}
+        values["timeline"] = list(values["timeline"] or [])
+        return cls(**values)
+
+    def snapshot(self) -> SandboxSnapshot:
+        return SandboxSnapshot(
+            status=self.status,
+            phase=self.phase,
+            created_at=self.created_at,
+            phase_started_at=self.phase_started_at,
+            eta_seconds=self.eta_seconds,
+            error_message=self.error_message,
+        )
+
+
+def next_timeline(
+    timeline: Sequence[dict[str, Any]], now: datetime, phase: Phase | None
+) -> list[dict[str, Any]]:
+    """Close the open entry at ``now`` and, if ``phase`` is given, open one for it."""
+    entries = [dict(entry) for entry in timeline]
+    stamp = rfc3339(now)
+    if entries and entries[-1].get("endedAt") is None:
+        entries[-1]["endedAt"] = stamp
+    if phase is not None:
+        entries.append({"phase": phase.value, "startedAt": stamp, "endedAt": None})
+    return entries
+
+
+class SandboxRepository:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    # -- reads ---------------------------------------------------------------------------
+    async def by_chat(self, chat_id: str) -> SandboxRecord | None:
+        async with self.engine.connect() as conn:
+            return await self._by_chat(conn, chat_id)
+
+    async def by_id(self, sandbox_id: str) -> SandboxRecord | None:
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id))
+            ).first()
+        return None if row is None else SandboxRecord.from_row(row)
+
+    async def with_status(self, *statuses: SandboxStatus) -> list[SandboxRecord]:
+        query = select(sandboxes).where(sandboxes.c.status.in_([s.value for s in statuses]))
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query.order_by(sandboxes.c.created_at))).all()
+        return [SandboxRecord.from_row(row) for row in rows]
+
+    async def claimable(self, now: datetime, limit: int) -> list[str]:
+        """Provisioning sandboxes that no live worker holds, oldest first."""
+        query = (
+            select(sandboxes.c.id)
+            .where(
+                sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+                or_(sandboxes.c.lease_expires_at.is_(None), sandboxes.c.lease_expires_at < now),
+            )
+            .order_by(sandboxes.c.created_at, sandboxes.c.id)
+            .limit(limit)
+        )
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(query)).scalars())
+
+    async def leases_held(self) -> dict[str, str]:
+        """sandbox id → lease owner, for provisioning sandboxes with a lease."""
+        query = select(sandboxes.c.id, sandboxes.c.lease_owner).where(
+            sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+            sandboxes.c.lease_owner.is_not(None),
+        )
+        async with self.engine.connect() as conn:
+            return {row.id: row.lease_owner for row in (await conn.execute(query))}
+
+    async def queue_position(self, record: SandboxRecord) -> int | None:
+        """1 for the next launch to get capacity; None when admitted or not provisioning."""
+        if record.admitted_at is not None or record.status is not SandboxStatus.PROVISIONING:
+            return None
+        query = select(func.count()).where(
+            sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+            sandboxes.c.admitted_at.is_(None),
+            or_(
+                sandboxes.c.created_at < record.created_at,
+                and_(sandboxes.c.created_at == record.created_at, sandboxes.c.id < record.id),
+            ),
+        )
+        async with self.engine.connect() as conn:
+            ahead = (await conn.execute(query)).scalar_one()
+        return int(ahead) + 1
+
+    async def phase_stats(self, backend: str) -> dict[Phase, PhaseStat]:
+        query = select(phase_stats).where(phase_stats.c.backend == backend)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {Phase(r.phase): PhaseStat(r.samples, r.mean_seconds) for r in rows}
+
+    # -- launch / stop (API side) --------------------------------------------------------
+    async def launch(self, record: SandboxRecord) -> tuple[SandboxRecord, bool]:
+        """Insert ``record`` unless the chat already has a live sandbox.
+
+        Returns the chat's current sandbox and whether it is the new one. A failed sandbox
+        is replaced; a provisioning or active one is returned unchanged (idempotent launch).
+        Concurrent launches for one chat resolve through the unique chat_id.
+        """
+        for _ in range(3):
+            try:
+                async with self.engine.begin() as conn:
+                    current = await self._by_chat(conn, record.chat_id)
+                    if current is not None and current.status is not SandboxStatus.FAILED:
+                        return current, False
+                    if current is not None:
+                        await conn.execute(delete(sandboxes).where(sandboxes.c.id == current.id))
+                    await conn.execute(insert(sandboxes).values(**_values(record)))
+                    return record, True
+            except IntegrityError:
+                continue  # another launch for the chat won the race: read what it made
+        current = await self.by_chat(record.chat_id)
+        if current is None:
+            raise RuntimeError("launch kept conflicting without a winner")
+        return current, False
+
+    async def remove(self, chat_id: str) -> SandboxRecord | None:
+        """Delete the chat's sandbox row (stop); returns what was there for cleanup."""
+        async with self.engine.begin() as conn:
+            current = await self._by_chat(conn, chat_id)
+            if current is not None:
+                await conn.execute(delete(sandboxes).where(sandboxes.c.id == current.id))
+        return current
+
+    async def remove_by_id(self, sandbox_id: str, status: SandboxStatus) -> bool:
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                delete(sandboxes).where(
+                    sandboxes.c.id == sandbox_id, sandboxes.c.status == status.value
+                )
+            )
+        return result.rowcount == 1
+
+    async def touch_activity(self, sandbox_id: str, now: datetime) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(sandboxes).where(sandboxes.c.id == sandbox_id).values(last_activity_at=now)
+            )
+
+    # -- engine writes (fenced) ----------------------------------------------------------
+    async def claim(self, sandbox_id: str, owner: str, now: datetime, ttl: timedelta) -> bool:
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                update(sandboxes)
+                .where(
+                    sandboxes.c.id == sandbox_id,
+                    sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+                    or_(
+                        sandboxes.c.lease_expires_at.is_(None),
+                        sandboxes.c.lease_expires_at < now,
+                        sandboxes.c.lease_owner == owner,
+                    ),
+                )
+                .values(lease_owner=owner, lease_expires_at=now + ttl)
+            )
+        return result.rowcount == 1
+
+    async def renew(self, sandbox_id: str, owner: str, now: datetime, ttl: timedelta) -> bool:
+        return await self._fenced(sandbox_id, owner, lease_expires_at=now + ttl)
+
+    async def release(self, sandbox_id: str, owner: str) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id, sandboxes.c.lease_owner == owner)
+                .values(lease_owner=None, lease_expires_at=None)
+            )
+
+    async def release_leases(self, owners: Sequence[str]) -> int:
+        """Free leases held by workers known to be dead, so their launches resume at once."""
+        if not owners:
+            return 0
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.lease_owner.in_(list(owners)))
+                .values(lease_owner=None, lease_expires_at=None)
+            )
+        return int(result.rowcount)
+
+    async def save_backend_state(
+        self, sandbox_id: str, owner: str, state: dict[str, Any], now: datetime
+    ) -> bool:
+        return await self._fenced(sandbox_id, owner, backend_state=state, updated_at=now)
+
+    async def mark_queued(self, sandbox_id: str, owner: str, now: datetime) -> bool:
+        """Waiting for capacity: the ETA is unknown until a slot frees."""
+        return await self._fenced(sandbox_id, owner, eta_seconds=None, updated_at=now)
+
+    async def admit(
+        self,
+        record: SandboxRecord,
+        owner: str,
+        now: datetime,
+        capacity: int,
+        eta_seconds: float | None,
+    ) -> bool:
+        """Give the sandbox a slot if one is free and no older launch is waiting (FIFO).
+
+        The compute phase's clock restarts at admission, so queue time does not pollute the
+        phase statistics and the ETA counts from when work really began.
+        """
+        admitted = sandboxes.alias("admitted")
+        waiting = sandboxes.alias("waiting")
+        used = (
+            select(func.count())
+            .select_from(admitted)
+            .where(
+                admitted.c.admitted_at.is_not(None),
+                admitted.c.status.in_(["provisioning", "active"]),
+            )
+            .scalar_subquery()
+        )
+        older_waiting = (
+            select(waiting.c.id)
+            .where(
+                waiting.c.status == SandboxStatus.PROVISIONING.value,
+                waiting.c.admitted_at.is_(None),
+                or_(
+                    waiting.c.created_at < record.created_at,
+                    and_(waiting.c.created_at == record.created_at, waiting.c.id < record.id),
+                ),
+            )
+            .exists()
+        )
+        async with self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                await conn.execute(
+                    text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_ADMISSION_LOCK}
+                )
+            result = await conn.execute(
+                update(sandboxes)
+                .where(
+                    sandboxes.c.id == record.id,
+                    sandboxes.c.lease_owner == owner,
+                    sandboxes.c.admitted_at.is_(None),
+                    used < capacity,
+                    ~older_waiting,
+                )
+                .values(admitted_at=now, phase_started_at=now, eta_seconds=eta_seconds)
+            )
+        return result.rowcount == 1
+
+    async def enter_phase(
+        self,
+        record: SandboxRecord,
+        owner: str,
+        phase: Phase,
+        now: datetime,
+        eta_seconds: float | None,
+        status: SandboxStatus = SandboxStatus.PROVISIONING,
+    ) -> bool:
+        values: dict[str, Any] = {
+            "phase": phase.value,
+            "status": status.value,
+            "phase_started_at": now,
+            "updated_at": now,
+            "eta_seconds": eta_seconds,
+            "timeline": next_timeline(
+                record.timeline, now, None if status is SandboxStatus.ACTIVE else phase
+            ),
+        }
+        if status is SandboxStatus.ACTIVE:
+            values.update(
+                ready_at=now, last_activity_at=now, lease_owner=None, lease_expires_at=None
+            )
+        return await self._fenced(record.id, owner, **values)
+
+    async def fail(
+        self,
+        sandbox_id: str,
+        code: str,
+        message: str,
+        now: datetime,
+        *,
+        owner: str | None = None,
+        from_status: SandboxStatus = SandboxStatus.PROVISIONING,
+    ) -> SandboxRecord | None:
+        """Mark the sandbox failed; returns the record as it was, or None if it moved on."""
+        async with self.engine.begin() as conn:
+            row = (
+                await conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id))
+            ).first()
+            if row is None:
+                return None
+            record = SandboxRecord.from_row(row)
+            conditions = [sandboxes.c.id == sandbox_id, sandboxes.c.status == from_status.value]
+            if owner is not None:
+                conditions.append(sandboxes.c.lease_owner == owner)
+            result = await conn.execute(
+                update(sandboxes)
+                .where(*conditions)
+                .values(
+                    status=SandboxStatus.FAILED.value,
+                    phase=Phase.FAILED.value,
+                    error_code=code,
+                    error_message=message,
+                    eta_seconds=None,
+                    phase_started_at=now,
+                    updated_at=now,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    timeline=next_timeline(record.timeline, now, None),
+                )
+            )
+        return record if result.rowcount == 1 else None
+
+    async def record_phase_stat(
+        self, backend: str, phase: Phase, stat: PhaseStat, now: datetime
+    ) -> None:
+        values = {"samples": stat.samples, "mean_seconds": stat.mean_seconds, "updated_at": now}
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                update(phase_stats)
+                .where(phase_stats.c.backend == backend, phase_stats.c.phase == phase.value)
+                .values(**values)
+            )
+            if result.rowcount == 0:
+                try:
+                    async with conn.begin_nested():
+                        await conn.execute(
+                            insert(phase_stats).values(backend=backend, phase=phase.value, **values)
+                        )
+                except IntegrityError:
+                    pass  # a concurrent first sample won; one lost sample is harmless
+
+    # -- helpers -------------------------------------------------------------------------
+    async def _fenced(self, sandbox_id: str, owner: str, **values: Any) -> bool:
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                update(sandboxes)
+                .where(
+                    sandboxes.c.id == sandbox_id,
+                    sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+                    sandboxes.c.lease_owner == owner,
+                )
+                .values(**values)
+            )
+        return result.rowcount == 1
+
+    @staticmethod
+    async def _by_chat(conn: AsyncConnection, chat_id: str) -> SandboxRecord | None:
+        row = (await conn.execute(select(sandboxes).where(sandboxes.c.chat_id == chat_id))).first()
+        return None if row is None else SandboxRecord.from_row(row)
+
+
+def _values(record: SandboxRecord) -> dict[str, Any]:
+    values = {name: getattr(record, name) for name in record.__slots__}
+    values["status"] = record.status.value
+    values["phase"] = record.phase.value
+    return values

@@ -1,0 +1,1 @@
+"""Workers: the loops that drive launches, watch running sandboxes and reconcile."""
