@@ -8,6 +8,7 @@ tests/integration/test_local_lifecycle.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -308,3 +309,48 @@ async def test_two_workers_never_drive_the_same_sandbox(
         assert len(started) == len(set(started)) == len(chats)
     finally:
         await second.aclose()
+
+
+async def test_eta_counts_down_never_negative_and_never_jumps_up_within_a_phase(
+    api: Call, backend: FakeBackend
+) -> None:
+    backend.delays = {Phase.COMPUTE: 0.6, Phase.MOUNT: 0.6, Phase.READY: 0.3}
+    await api("POST")
+    samples: list[tuple[str, int]] = []
+    while True:
+        body = (await api("GET", "/status")).json()
+        if body["status"] != "provisioning":
+            break
+        if "etaSeconds" in body:
+            samples.append((body["phase"], body["etaSeconds"]))
+        await asyncio.sleep(0.02)
+    assert samples
+    assert all(eta >= 0 for _, eta in samples)
+    for (phase_a, eta_a), (phase_b, eta_b) in itertools.pairwise(samples):
+        if phase_a == phase_b:
+            assert eta_b <= eta_a + 1
+
+
+async def test_launches_have_their_own_smaller_rate_limit(
+    client: httpx.AsyncClient, world: World, services: Services
+) -> None:
+    from ivy_sandbox.ratelimit import RateLimiter, make_storage
+
+    services.limiter = RateLimiter(
+        make_storage(None),
+        per_user="1000/minute",
+        per_chat="1000/minute",
+        auth_failures="1000/minute",
+        per_launch="2/minute",
+    )
+    key = await world.key()
+    chats = [await world.chat() for _ in range(3)]
+    codes = [
+        (await client.post(f"/v1/sandbox/{chat}", headers={"X-Ivy-Api-Key": key})).status_code
+        for chat in chats
+    ]
+    assert codes == [202, 202, 429]
+    refused = await client.post(f"/v1/sandbox/{chats[2]}", headers={"X-Ivy-Api-Key": key})
+    assert refused.headers["ratelimit-policy"] == '"launch";q=2;w=60'
+    status = await client.get(f"/v1/sandbox/{chats[2]}/status", headers={"X-Ivy-Api-Key": key})
+    assert status.status_code == 200  # polling is not a launch
