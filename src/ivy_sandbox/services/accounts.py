@@ -36,9 +36,14 @@ def _require_id(value: str, what: str) -> None:
 
 
 def _require_text(value: str | None, what: str, limit: int) -> None:
-    if value is not None and (not value.strip() or len(value) > limit):
+    """Names and titles: 1..limit printable characters (no tabs, newlines or other controls,
+    so listings stay one line per item)."""
+    if value is None:
+        return
+    if not value.strip() or len(value) > limit or not value.isprintable():
         raise InvalidRequest(
-            f"invalid {what}", detail=f"The {what} must be 1-{limit} characters, not blank."
+            f"invalid {what}",
+            detail=f"The {what} must be 1-{limit} printable characters, not blank.",
         )
 
 

@@ -1,0 +1,75 @@
+"""Server-side commands: serve, migrate, worker."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from ivy_sandbox.cli.common import run_or_fail, run_with_repository, settings_or_exit
+from ivy_sandbox.services.clock import SystemClock
+from ivy_sandbox.storage.repository import Repository
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(migrate)
+    app.command()(worker)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Run the API server (migrates the database first)."""
+    import uvicorn
+
+    from ivy_sandbox.api.app import create_app
+    from ivy_sandbox.bootstrap import preflight
+
+    settings = settings_or_exit()
+    run_or_fail(preflight(settings))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+
+
+def migrate() -> None:
+    """Upgrade the database schema to the latest revision; prints the revision."""
+    from ivy_sandbox.storage.migrate import head_revision
+
+    settings = settings_or_exit()
+
+    async def noop(_: Repository) -> None:
+        return None
+
+    run_with_repository(settings, noop)
+    typer.echo(head_revision())
+
+
+def worker() -> None:
+    """Drive launches, watch sandboxes and reconcile, without serving HTTP.
+
+    Run any number beside `serve` (with IVY_RUN_WORKER=false there, or not) on the same
+    database; leases make sure one worker drives each launch.
+    """
+    from ivy_sandbox.bootstrap import engine_settings, make_backend, open_repository
+    from ivy_sandbox.storage.sandboxes import SandboxRepository
+    from ivy_sandbox.workers.provisioner import Provisioner
+
+    settings = settings_or_exit()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    async def main() -> None:
+        repository = await open_repository(settings)
+        backend = make_backend(settings)
+        provisioner = Provisioner(
+            SandboxRepository(repository.engine), backend, SystemClock(), engine_settings(settings)
+        )
+        try:
+            await provisioner.run_forever()
+        finally:
+            await backend.aclose()
+            await repository.engine.dispose()
+
+    run_or_fail(main())
