@@ -354,3 +354,20 @@ async def test_launches_have_their_own_smaller_rate_limit(
     assert refused.headers["ratelimit-policy"] == '"launch";q=2;w=60'
     status = await client.get(f"/v1/sandbox/{chats[2]}/status", headers={"X-Ivy-Api-Key": key})
     assert status.status_code == 200  # polling is not a launch
+
+
+class ExplodingBackend(FakeBackend):
+    async def mount(self, spec: Any, state: Any) -> Any:
+        raise ValueError("a bug, not a BackendError")
+
+
+@pytest.mark.parametrize("backend", [ExplodingBackend()], ids=["exploding"])
+async def test_an_unexpected_backend_error_fails_the_launch_instead_of_stranding_it(
+    api: Call, backend: FakeBackend
+) -> None:
+    await api("POST")
+    body = await wait_for(api, lambda b: b["status"] == "failed")
+    assert body["errorMessage"].startswith("mount: unexpected error")
+    assert "a bug" not in body["errorMessage"]  # internals stay in the log
+    assert (await api("GET")).json()["errorCode"] == "internal_error"
+    assert backend.running == {}

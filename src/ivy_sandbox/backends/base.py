@@ -43,6 +43,7 @@ class ErrorCode(StrEnum):
     READINESS_TIMEOUT = "readiness_timeout"
     SANDBOX_EXITED = "sandbox_exited"
     BACKEND_UNAVAILABLE = "backend_unavailable"
+    INTERNAL_ERROR = "internal_error"  # a bug on our side; the log has the traceback
     CONTROL_PLANE_LOST = "control_plane_lost"
 
 

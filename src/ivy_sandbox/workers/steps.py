@@ -113,8 +113,14 @@ class LaunchDriver:
         except PhaseFailed as failure:
             await self._fail(failure.code, failure.message)
         except BackendError as error:
+            await self._fail(error.code, f"{self.record.phase.value}: {error.message}")
+        except Exception:
+            # A bug must not leave the sandbox provisioning forever (nor crash the worker).
+            log.exception("unexpected error while provisioning %s", self.record.id)
             await self._fail(
-                error.code, f"{PHASE_WORDS.get(self.record.phase, 'launch')}: {error.message}"
+                ErrorCode.INTERNAL_ERROR,
+                f"{self.record.phase.value}: unexpected error in the {self.backend.name} "
+                "backend; the server log has the details",
             )
         finally:
             renewer.cancel()

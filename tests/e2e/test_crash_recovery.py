@@ -1,0 +1,163 @@
+"""kill -9 of the server (and of a separate worker) during and after launches, with real
+bubblewrap sandboxes: after a restart every sandbox ends active or failed with a reason, the
+running ones are adopted (still usable), and no sandbox process outlives its record.
+
+"Mid-launch" is made deterministic with IVY_MAX_SANDBOXES=1: launches queue in the compute
+phase behind the first sandbox, so they are provisioning when the kill lands.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_process import IVY, Server, clean_env, new_account, started_server
+
+WAIT = 30.0
+
+
+def sandbox_pids(data_dir: Path) -> set[int]:
+    """Host pids whose command line names this data dir's workspaces (the sandboxes)."""
+    marker = str(data_dir.resolve() / "workspaces").encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline and int(entry.name) != os.getpid():
+            pids.add(int(entry.name))
+    return pids
+
+
+def until(predicate: Callable[[], Any], what: str, within: float = WAIT) -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Api:
+    def __init__(self, server: Server, key: str) -> None:
+        self.server = server
+        self.headers = {"X-Ivy-Api-Key": key}
+
+    def call(self, method: str, chat: str, suffix: str = "", **kwargs: Any) -> httpx.Response:
+        url = f"{self.server.base_url}/v1/sandbox/{chat}{suffix}"
+        return httpx.request(method, url, headers=self.headers, timeout=30, **kwargs)
+
+    def status(self, chat: str) -> str:
+        return str(self.call("GET", chat, "/status").json()["status"])
+
+    def settled(self, chat: str) -> str | None:
+        status = self.status(chat)
+        return status if status in ("active", "failed") else None
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Server]]:
+    servers: list[Server] = []
+    yield servers
+    for server in servers:
+        if server.process is not None and server.process.poll() is None:
+            server.process.kill()
+        for pid in sandbox_pids(server.data_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _require_bwrap() -> None:
+    from ivy_sandbox.backends.base import BackendError
+    from ivy_sandbox.backends.local import LocalBackend
+
+    try:
+        LocalBackend(Path("/tmp/ivy-bwrap-check"))
+    except BackendError as exc:
+        pytest.skip(f"bubblewrap cannot run here: {exc.message}")
+
+
+def test_server_killed_mid_launch_and_after_launch_recovers_everything(
+    tmp_path: Path, cleanup: list[Server]
+) -> None:
+    _require_bwrap()
+    server = started_server(tmp_path, {"IVY_MAX_SANDBOXES": "1"})
+    cleanup.append(server)
+    account = new_account(server)
+    queued = [server.admin("chats", "create", "--user", account.user) for _ in range(2)]
+    api = Api(server, account.key)
+    api.call("POST", account.chat)
+    until(lambda: api.status(account.chat) == "active", "the first sandbox")
+    for chat in queued:
+        assert api.call("POST", chat).json()["status"] == "provisioning"
+    assert server.process is not None
+    server.process.send_signal(signal.SIGKILL)  # after one launch, in the middle of two
+    server.process.wait(timeout=10)
+    survivors = sandbox_pids(server.data_dir)
+    assert survivors, "the active sandbox must outlive its control plane"
+
+    server.env["IVY_MAX_SANDBOXES"] = "3"
+    server.start()
+    for chat in [account.chat, *queued]:
+        assert until(lambda c=chat: api.settled(c), f"{chat} to settle") == "active"
+    ran = api.call("POST", account.chat, "/exec", json={"command": ["ls", "/workspace"]})
+    assert (ran.status_code, ran.json()["exitCode"]) == (200, 0)  # adopted, still usable
+    assert survivors <= sandbox_pids(server.data_dir)  # the same processes, not a restart
+
+    for chat in [account.chat, *queued]:
+        assert api.call("DELETE", chat).json() == {"status": "none"}
+    until(lambda: not sandbox_pids(server.data_dir), "every sandbox process to be gone", 10)
+
+
+def test_worker_killed_mid_launch_is_replaced_and_no_process_is_orphaned(
+    tmp_path: Path, cleanup: list[Server]
+) -> None:
+    _require_bwrap()
+    env = {"IVY_RUN_WORKER": "false", "IVY_MAX_SANDBOXES": "1"}
+    server = started_server(tmp_path, env)
+    cleanup.append(server)
+    account = new_account(server)
+    second = server.admin("chats", "create", "--user", account.user)
+    api = Api(server, account.key)
+
+    def worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [str(IVY), "worker"],
+            env=clean_env(server.data_dir, env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    first_worker = worker()
+    try:
+        api.call("POST", account.chat)
+        until(lambda: api.status(account.chat) == "active", "the first sandbox")
+        api.call("POST", second)  # queued behind the first: mid-launch
+        time.sleep(0.5)
+        first_worker.send_signal(signal.SIGKILL)
+        first_worker.wait(timeout=10)
+        assert api.status(second) == "provisioning"
+        api.call("DELETE", account.chat)  # free the slot; no worker runs right now
+        replacement = worker()
+        try:
+            assert until(lambda: api.settled(second), "the queued launch") == "active"
+            assert len(sandbox_pids(server.data_dir)) >= 1
+            api.call("DELETE", second)
+            until(lambda: not sandbox_pids(server.data_dir), "no sandbox process left", 10)
+        finally:
+            replacement.kill()
+            replacement.wait(timeout=10)
+    finally:
+        if first_worker.poll() is None:
+            first_worker.kill()
