@@ -13,10 +13,12 @@ from ivy_sandbox.auth.clerk import ClerkVerifier
 from ivy_sandbox.backends.base import ResourceLimits, SandboxBackend
 from ivy_sandbox.backends.fake import latency_backend
 from ivy_sandbox.config import Settings, api_key_pepper, ensure_data_dir
+from ivy_sandbox.events import EventBus, LocalEventBus, make_event_bus
 from ivy_sandbox.ratelimit import RateLimiter, make_storage
 from ivy_sandbox.services.authentication import Authenticator
 from ivy_sandbox.services.clock import Clock, SystemClock
 from ivy_sandbox.services.sandboxes import SandboxContext
+from ivy_sandbox.services.watch import KEEPALIVE_SECONDS, Watching
 from ivy_sandbox.storage.engine import create_engine
 from ivy_sandbox.storage.migrate import migrate
 from ivy_sandbox.storage.repository import Repository
@@ -37,10 +39,11 @@ class Services:
     clock: Clock
     backend: SandboxBackend
     provisioner: Provisioner | None = None
+    bus: EventBus = field(default_factory=LocalEventBus)
     sandboxes: SandboxRepository = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sandboxes = SandboxRepository(self.repository.engine)
+        self.sandboxes = SandboxRepository(self.repository.engine, self.bus)
 
     @property
     def sandbox_context(self) -> SandboxContext:
@@ -53,9 +56,29 @@ class Services:
             kick_worker=self.provisioner.kick if self.provisioner else _no_worker,
         )
 
+    @property
+    def watching(self) -> Watching:
+        # Events always reach us when every change is made in this process or announced
+        # through PostgreSQL; otherwise (SQLite + separate workers) look once a second.
+        reliable = self.bus.cross_process or self.provisioner is not None
+        return Watching(
+            repository=self.repository,
+            bus=self.bus,
+            limiter=self.limiter,
+            clock=self.clock,
+            recheck_seconds=KEEPALIVE_SECONDS if reliable else 1.0,
+        )
+
+    async def start(self) -> None:
+        """Start what runs in the background: the event listener, then the worker."""
+        await self.bus.start()
+        if self.provisioner is not None:
+            await self.provisioner.start()
+
     async def aclose(self) -> None:
         if self.provisioner is not None:
             await self.provisioner.aclose()
+        await self.bus.aclose()
         await self.backend.aclose()
         await self.clerk.aclose()
         await self.limiter.aclose()
@@ -139,7 +162,10 @@ async def build_services(
     )
     authenticator = Authenticator(repository, api_key_pepper(settings), clerk, clock)
     backend = make_backend(settings)
-    services = Services(settings, repository, authenticator, limiter, clerk, clock, backend)
+    bus = make_event_bus(settings.effective_database_url)
+    services = Services(
+        settings, repository, authenticator, limiter, clerk, clock, backend, bus=bus
+    )
     if with_worker:
         services.provisioner = Provisioner(
             services.sandboxes, backend, clock, engine_settings(settings)

@@ -143,7 +143,11 @@ async def test_openapi_describes_status_endpoint_as_the_seed_page_does(
     operation = document["paths"]["/v1/sandbox/{chatId}/status"]["get"]
     assert operation["summary"] == "Get sandbox status"
     assert operation["description"].startswith("Returns the current state of your chat's sandbox.")
-    (param,) = operation["parameters"]
+    params = {p["name"]: p for p in operation["parameters"]}
+    assert set(params) == {"chatId", "prefer", "since"}  # the latter two: optional long-poll
+    assert not params["prefer"]["required"]
+    assert not params["since"]["required"]
+    param = params["chatId"]
     assert (param["name"], param["in"], param["required"]) == ("chatId", "path", True)
     assert param["description"] == "ID of the chat that owns the sandbox"
     assert param["schema"]["type"] == "string"

@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 import ivy_sandbox
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
 from ivy_sandbox.api.problems import install_error_handlers
-from ivy_sandbox.api.routes import sandboxes
+from ivy_sandbox.api.routes import accounts, sandboxes
 from ivy_sandbox.api.schemas import Problem
 from ivy_sandbox.bootstrap import Services, build_services
 from ivy_sandbox.config import Settings
@@ -71,8 +71,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         owned = services is None
         if services is None:
             built = await build_services(settings, with_worker=settings.run_worker)
-            if built.provisioner is not None:
-                await built.provisioner.start()
+            await built.start()
             app.state.services = built
         try:
             yield
@@ -91,6 +90,8 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         app.state.services = services
     app.include_router(sandboxes.router, prefix=API_PREFIX)
     app.include_router(sandboxes.router, prefix=ALIAS_PREFIX, include_in_schema=False)
+    app.include_router(accounts.router, prefix=API_PREFIX)
+    app.include_router(accounts.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(SecurityHeadersMiddleware)

@@ -44,5 +44,14 @@ async def current_principal(request: Request) -> Principal:
     return principal
 
 
+async def reauthenticate(request: Request) -> Principal:
+    """Check the request's credential again (long-lived streams), without charging limits."""
+    headers = request.headers
+    credential = extract_credential(
+        headers.get("authorization"), headers.get("x-ivy-api-key"), headers.get("cookie")
+    )
+    return await get_services(request).authenticator.authenticate(credential)
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
 CurrentPrincipal = Annotated[Principal, Depends(current_principal)]

@@ -126,3 +126,223 @@ class SandboxDetail(BaseModel):
     waiting: Waiting | None = Field(
         default=None, description="Present while the launch waits for capacity"
     )
+
+
+# -- what users own: projects, chats and API keys ------------------------------------------
+Timestamp = Annotated[
+    str,
+    Field(
+        json_schema_extra={"format": "date-time"},
+        description="RFC 3339, UTC, millisecond precision",
+        examples=["2026-11-29T10:02:02.571Z"],
+    ),
+]
+
+PAGINATION_DESCRIPTION = (
+    " Paginated: up to `limit` items (1-100, default 50), oldest first; pass `nextCursor` back "
+    "as `cursor` for the next page (`null` on the last page). Items created during a walk "
+    "appear at its end, never twice."
+)
+
+EXAMPLE_PROJECT: dict[str, Any] = {
+    "id": "proj_3kTqV8bW1nZr0aXy5LmQ",
+    "name": "Protein folding",
+    "createdAt": "2026-11-29T10:02:02.571Z",
+}
+EXAMPLE_CHAT: dict[str, Any] = {
+    "id": "chat_7PzR2mWq9XcVb4NtYk1s",
+    "projectId": "proj_3kTqV8bW1nZr0aXy5LmQ",
+    "title": "Fold 1UBQ",
+    "createdAt": "2026-11-29T10:02:02.571Z",
+}
+EXAMPLE_API_KEY: dict[str, Any] = {
+    "id": "AbC123xYz789",
+    "name": "CI runner",
+    "projectId": "proj_3kTqV8bW1nZr0aXy5LmQ",
+    "state": "active",
+    "createdAt": "2026-11-29T10:02:02.571Z",
+    "expiresAt": "2026-12-29T10:02:02.571Z",
+    "revokedAt": None,
+    "lastUsedAt": "2026-11-29T10:05:00.000Z",
+}
+EXAMPLE_KEY = "ivy_AbC123xYz789_5hQ2nR8tW1vX4yZ7aB0cD3eF6gH9iJ2kL5mN8"
+EXAMPLE_CURSOR = "MjAyNi0xMS0yOVQxMDowMjowMi41NzE0MTIrMDA6MDB8cHJval8za1RxVjhiVzFuWnIwYVh5NUxtUQ"
+NEXT_CURSOR_DESCRIPTION = "Pass as `cursor` for the next page; null on the last page"
+
+
+class ProjectCreate(BaseModel):
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {"examples": [{"name": "Protein folding"}]},
+    }
+
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        description="1-200 printable characters, not blank",
+        examples=["Protein folding"],
+    )
+
+
+class Project(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [EXAMPLE_PROJECT]}}
+
+    id: str = Field(examples=[EXAMPLE_PROJECT["id"]])
+    name: str = Field(examples=[EXAMPLE_PROJECT["name"]])
+    createdAt: Timestamp  # noqa: N815
+
+
+class ProjectList(BaseModel):
+    model_config = {
+        "json_schema_extra": {
+            "examples": [{"items": [EXAMPLE_PROJECT], "nextCursor": EXAMPLE_CURSOR}]
+        }
+    }
+
+    items: list[Project]
+    nextCursor: str | None = Field(  # noqa: N815
+        description=NEXT_CURSOR_DESCRIPTION, examples=[EXAMPLE_CURSOR]
+    )
+
+
+class ChatCreate(BaseModel):
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {
+            "examples": [{"projectId": EXAMPLE_CHAT["projectId"], "title": EXAMPLE_CHAT["title"]}]
+        },
+    }
+
+    projectId: str | None = Field(  # noqa: N815
+        default=None,
+        description=(
+            "A project you own. Defaults to a project-scoped key's project; another project "
+            "than the key's is refused with 403."
+        ),
+        examples=[EXAMPLE_CHAT["projectId"]],
+    )
+    title: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=500,
+        description="1-500 printable characters, not blank",
+        examples=[EXAMPLE_CHAT["title"]],
+    )
+
+
+class Chat(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [EXAMPLE_CHAT]}}
+
+    id: str = Field(examples=[EXAMPLE_CHAT["id"]])
+    projectId: str | None = Field(  # noqa: N815
+        description="The chat's project; null when it is in none",
+        examples=[EXAMPLE_CHAT["projectId"]],
+    )
+    title: str | None = Field(examples=[EXAMPLE_CHAT["title"]])
+    createdAt: Timestamp  # noqa: N815
+
+
+class ChatList(BaseModel):
+    model_config = {
+        "json_schema_extra": {"examples": [{"items": [EXAMPLE_CHAT], "nextCursor": None}]}
+    }
+
+    items: list[Chat]
+    nextCursor: str | None = Field(  # noqa: N815
+        description=NEXT_CURSOR_DESCRIPTION, examples=[None]
+    )
+
+
+MAX_KEY_LIFETIME_SECONDS = 10 * 365 * 24 * 3600
+
+
+class ApiKeyCreate(BaseModel):
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {
+            "examples": [
+                {
+                    "name": "CI runner",
+                    "projectId": EXAMPLE_API_KEY["projectId"],
+                    "expiresInSeconds": 2592000,
+                }
+            ]
+        },
+    }
+
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="1-200 printable characters, not blank",
+        examples=["CI runner"],
+    )
+    projectId: str | None = Field(  # noqa: N815
+        default=None,
+        description="Limit the key to this project you own; omit for all your projects",
+        examples=[EXAMPLE_API_KEY["projectId"]],
+    )
+    expiresInSeconds: int | None = Field(  # noqa: N815
+        default=None,
+        ge=1,
+        le=MAX_KEY_LIFETIME_SECONDS,
+        description="Lifetime in seconds (at most ten years); omit for a key that never expires",
+        examples=[2592000],
+    )
+
+
+class ApiKey(BaseModel):
+    """An API key's record. The secret is never part of it."""
+
+    model_config = {"json_schema_extra": {"examples": [EXAMPLE_API_KEY]}}
+
+    id: str = Field(
+        description="The key's public id (the part after `ivy_`); use it to revoke the key",
+        examples=[EXAMPLE_API_KEY["id"]],
+    )
+    name: str | None = Field(examples=[EXAMPLE_API_KEY["name"]])
+    projectId: str | None = Field(  # noqa: N815
+        description="The project the key is limited to; null: all your projects",
+        examples=[EXAMPLE_API_KEY["projectId"]],
+    )
+    state: Literal["active", "revoked", "expired"] = Field(examples=["active"])
+    createdAt: Timestamp  # noqa: N815
+    expiresAt: Timestamp | None  # noqa: N815
+    revokedAt: Timestamp | None  # noqa: N815
+    lastUsedAt: Timestamp | None = Field(  # noqa: N815
+        description="Last successful use, to the minute"
+    )
+
+
+class ApiKeyCreated(ApiKey):
+    """A new key's record and, this one time only, the key itself."""
+
+    model_config = {
+        "json_schema_extra": {
+            "examples": [
+                EXAMPLE_API_KEY | {"lastUsedAt": None, "key": EXAMPLE_KEY},
+            ]
+        }
+    }
+
+    key: str = Field(
+        description="The API key. Shown only in this response: store it now; it cannot be "
+        "retrieved again.",
+        examples=[EXAMPLE_KEY],
+    )
+
+
+class ApiKeyList(BaseModel):
+    model_config = {
+        "json_schema_extra": {"examples": [{"items": [EXAMPLE_API_KEY], "nextCursor": None}]}
+    }
+
+    items: list[ApiKey]
+    nextCursor: str | None = Field(  # noqa: N815
+        description=NEXT_CURSOR_DESCRIPTION, examples=[None]
+    )
+
+
+def problem_doc(description: str) -> dict[str, Any]:
+    """A documented error response (for ``responses=``): the Problem body, this description."""
+    return _problem(description)

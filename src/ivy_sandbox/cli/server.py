@@ -54,6 +54,7 @@ def worker() -> None:
     database; leases make sure one worker drives each launch.
     """
     from ivy_sandbox.bootstrap import engine_settings, make_backend, open_repository
+    from ivy_sandbox.events import make_event_bus
     from ivy_sandbox.storage.sandboxes import SandboxRepository
     from ivy_sandbox.workers.provisioner import Provisioner
 
@@ -63,8 +64,13 @@ def worker() -> None:
     async def main() -> None:
         repository = await open_repository(settings)
         backend = make_backend(settings)
+        # Publishing needs no listener: on PostgreSQL, NOTIFY rides on each committed change.
+        bus = make_event_bus(settings.effective_database_url)
         provisioner = Provisioner(
-            SandboxRepository(repository.engine), backend, SystemClock(), engine_settings(settings)
+            SandboxRepository(repository.engine, bus),
+            backend,
+            SystemClock(),
+            engine_settings(settings),
         )
         try:
             await provisioner.run_forever()

@@ -5,14 +5,24 @@ Shared by the admin CLI (direct database access) and, later, the user-facing RES
 
 from __future__ import annotations
 
+import base64
+import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Generic, Protocol, TypeVar
 
 from ivy_sandbox.auth.api_keys import generate_api_key, hash_api_key
+from ivy_sandbox.auth.principal import CredentialKind, Principal
 from ivy_sandbox.domain.ids import is_acceptable_id, new_id
-from ivy_sandbox.errors import InvalidRequest, NotFound
+from ivy_sandbox.errors import InvalidRequest, NotFound, PermissionDenied
 from ivy_sandbox.services.clock import Clock
-from ivy_sandbox.storage.repository import ApiKeyRecord, ChatRecord, ProjectRecord, Repository
+from ivy_sandbox.storage.repository import (
+    ApiKeyRecord,
+    ChatRecord,
+    PageKey,
+    ProjectRecord,
+    Repository,
+)
 
 MAX_NAME_LENGTH = 200
 MAX_TITLE_LENGTH = 500
@@ -150,3 +160,252 @@ def key_state(record: ApiKeyRecord, now: datetime) -> str:
     if record.expires_at is not None and now >= record.expires_at:
         return "expired"
     return "active"
+
+
+# -- the user-facing API: what a caller may do with what its user owns ------------------------
+# Rules: a project-scoped API key sees only its project; a Clerk session or an unscoped key
+# sees everything its user owns; only a Clerk session manages API keys.
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 100
+MAX_CURSOR_LENGTH = 512
+PROJECT_DENIED = "You do not own this project, or your key's project scope excludes it."
+SCOPED_KEY_CANNOT_CREATE_PROJECTS = (
+    "A project-scoped API key cannot create projects; use a session or an unscoped key."
+)
+KEY_NOT_FOUND = "No such API key among yours."
+_CURSOR_TEXT = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class SessionRequired(PermissionDenied):
+    """403 ``session_required``: an API key tried what only a Clerk session may do.
+
+    A key can never mint keys (nor list or revoke them). Part of the exception tree under
+    :class:`~ivy_sandbox.errors.PermissionDenied`; mapped to HTTP by the one handler.
+    """
+
+    code = "session_required"
+    default_detail = (
+        "API keys can be created, listed and revoked only with a Clerk session, "
+        "not with an API key."
+    )
+
+
+class _Keyed(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def created_at(self) -> datetime: ...
+
+
+KeyedT = TypeVar("KeyedT", bound=_Keyed)
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[KeyedT]):
+    """One page of a list, oldest first; ``next_cursor`` is ``None`` on the last page."""
+
+    items: list[KeyedT]
+    next_cursor: str | None
+
+
+def encode_cursor(created_at: datetime, item_id: str) -> str:
+    """An opaque cursor: base64url (unpadded) of ``<created_at ISO 8601 UTC>|<id>``."""
+    raw = f"{created_at.astimezone(UTC).isoformat()}|{item_id}".encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def decode_cursor(cursor: str) -> PageKey:
+    """The position a cursor names; :class:`InvalidRequest` (422) for anything malformed."""
+    try:
+        if len(cursor) > MAX_CURSOR_LENGTH or not _CURSOR_TEXT.fullmatch(cursor):
+            raise ValueError("not base64url")
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("utf-8")
+        stamp, item_id = raw.split("|", 1)
+        created_at = datetime.fromisoformat(stamp)
+        if created_at.tzinfo is None or not is_acceptable_id(item_id):
+            raise ValueError("naive time or bad id")
+        created_at = created_at.astimezone(UTC)
+    except (ValueError, OverflowError):  # binascii.Error and UnicodeDecodeError included
+        raise InvalidRequest(
+            "malformed cursor",
+            detail="Invalid request: the cursor is malformed; pass nextCursor back as returned.",
+        ) from None
+    return PageKey(created_at=created_at, id=item_id)
+
+
+def _page_start(limit: int, cursor: str | None) -> PageKey | None:
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise InvalidRequest(
+            f"page limit {limit} out of range",
+            detail=f"Invalid request: limit must be 1-{MAX_PAGE_SIZE}.",
+        )
+    return None if cursor is None else decode_cursor(cursor)
+
+
+def _paged(rows: list[KeyedT], limit: int) -> Page[KeyedT]:
+    """``rows`` were fetched with ``limit + 1``: one extra row means there is a next page."""
+    if len(rows) <= limit:
+        return Page(items=rows, next_cursor=None)
+    items = rows[:limit]
+    return Page(items=items, next_cursor=encode_cursor(items[-1].created_at, items[-1].id))
+
+
+def require_session(principal: Principal) -> None:
+    """Only a Clerk session may manage API keys: a key cannot mint (list, revoke) keys."""
+    if principal.kind is not CredentialKind.SESSION:
+        raise SessionRequired(
+            f"{principal.kind} {principal.credential_id} tried to manage API keys"
+        )
+
+
+async def _usable_project(
+    repository: Repository, principal: Principal, project_id: str | None
+) -> str | None:
+    """The project a request acts in: ``project_id`` when the caller may use it; when none
+    is asked for, the key's scope (``None`` for sessions and unscoped keys).
+
+    Missing, another user's, outside the key's scope or malformed: one 403, one body.
+    """
+    if project_id is None:
+        return principal.project_id
+    if (
+        (principal.project_id is None or project_id == principal.project_id)
+        and is_acceptable_id(project_id)
+        and await repository.owned_project(project_id, principal.user_id) is not None
+    ):
+        return project_id
+    raise PermissionDenied(
+        f"project access denied for {principal.kind} {principal.credential_id}",
+        detail=PROJECT_DENIED,
+    )
+
+
+async def create_own_project(
+    repository: Repository, clock: Clock, principal: Principal, name: str
+) -> ProjectRecord:
+    """A new project of the caller's user; a project-scoped key may not create one."""
+    if principal.project_id is not None:
+        raise PermissionDenied(
+            f"scoped {principal.kind} {principal.credential_id} tried to create a project",
+            detail=SCOPED_KEY_CANNOT_CREATE_PROJECTS,
+        )
+    _require_text(name, "project name", MAX_NAME_LENGTH)
+    project = ProjectRecord(
+        id=new_id("proj"), user_id=principal.user_id, name=name, created_at=clock.now()
+    )
+    await repository.create_project(project)
+    return project
+
+
+async def list_own_projects(
+    repository: Repository, principal: Principal, *, limit: int, cursor: str | None
+) -> Page[ProjectRecord]:
+    """The user's projects (a scoped key: just its project), one page."""
+    after = _page_start(limit, cursor)
+    rows = await repository.projects_page(
+        principal.user_id, only_project=principal.project_id, after=after, limit=limit + 1
+    )
+    return _paged(rows, limit)
+
+
+async def create_own_chat(
+    repository: Repository,
+    clock: Clock,
+    principal: Principal,
+    *,
+    project_id: str | None = None,
+    title: str | None = None,
+) -> ChatRecord:
+    """A new chat of the caller's user; a scoped key's chats go into its project."""
+    _require_text(title, "title", MAX_TITLE_LENGTH)
+    project = await _usable_project(repository, principal, project_id)
+    chat = ChatRecord(
+        id=new_id("chat"),
+        user_id=principal.user_id,
+        project_id=project,
+        title=title,
+        created_at=clock.now(),
+    )
+    await repository.create_chat(chat)
+    return chat
+
+
+async def list_own_chats(
+    repository: Repository,
+    principal: Principal,
+    *,
+    project_id: str | None = None,
+    limit: int,
+    cursor: str | None,
+) -> Page[ChatRecord]:
+    """The user's chats, in ``project_id`` when given (a scoped key: its project's), one page."""
+    after = _page_start(limit, cursor)
+    project = await _usable_project(repository, principal, project_id)
+    rows = await repository.chats_page(
+        principal.user_id, project_id=project, after=after, limit=limit + 1
+    )
+    return _paged(rows, limit)
+
+
+async def get_own_chat(repository: Repository, principal: Principal, chat_id: str) -> ChatRecord:
+    """The chat, or the sandbox endpoints' uniform 403 — same exception, body and AND
+    semantics as :func:`ivy_sandbox.services.sandboxes.authorize_chat` (no existence oracle).
+    """
+    record = None
+    if is_acceptable_id(chat_id):
+        record = await repository.owned_chat(chat_id, principal.user_id, principal.project_id)
+    if record is None:
+        raise PermissionDenied(f"chat access denied for {principal.kind} {principal.credential_id}")
+    return record
+
+
+async def create_own_api_key(
+    repository: Repository,
+    clock: Clock,
+    pepper: bytes,
+    principal: Principal,
+    *,
+    project_id: str | None = None,
+    name: str | None = None,
+    expires_in: timedelta | None = None,
+) -> CreatedApiKey:
+    """A new key of the session's user (the key itself is returned this once only)."""
+    require_session(principal)
+    _require_text(name, "key name", MAX_NAME_LENGTH)
+    project = await _usable_project(repository, principal, project_id)
+    return await create_api_key(
+        repository,
+        clock,
+        pepper,
+        principal.user_id,
+        project_id=project,
+        name=name,
+        expires_in=expires_in,
+    )
+
+
+async def list_own_api_keys(
+    repository: Repository, principal: Principal, *, limit: int, cursor: str | None
+) -> Page[ApiKeyRecord]:
+    """The session's user's keys (revoked and expired ones included), one page."""
+    require_session(principal)
+    after = _page_start(limit, cursor)
+    rows = await repository.api_keys_page(principal.user_id, after=after, limit=limit + 1)
+    return _paged(rows, limit)
+
+
+async def revoke_own_api_key(
+    repository: Repository, clock: Clock, principal: Principal, key_id: str
+) -> None:
+    """Revoke one of the session's user's keys (idempotent). A missing key and another
+    user's key get the same 404 — there is nothing to learn about keys that are not yours.
+    Every process stops accepting the key within the authentication cache's 5 s."""
+    require_session(principal)
+    if not is_acceptable_id(key_id) or not await repository.revoke_owned_api_key(
+        key_id, principal.user_id, clock.now()
+    ):
+        raise NotFound(
+            f"api key {key_id!r} not among {principal.user_id}'s keys", detail=KEY_NOT_FOUND
+        )

@@ -5,21 +5,31 @@ Services depend on these methods, never on SQL. Each method is one short transac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import Row, Table, and_, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
 
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus
 from ivy_sandbox.errors import Conflict, NotFound
 from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True, slots=True)
+class PageKey:
+    """Where a page starts: just after the row with this (created_at, id)."""
+
+    created_at: datetime
+    id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +193,91 @@ class Repository:
                 .where(api_keys.c.id == kid, api_keys.c.revoked_at.is_(None))
                 .values(revoked_at=now)
             )
+
+    # -- what a user owns, as the user-facing API sees it (pages keyed by created_at, id) ---
+    async def owned_project(self, project_id: str, user_id: str) -> ProjectRecord | None:
+        """The project when it exists AND is the user's; ``None`` for either failure."""
+        query = select(projects).where(projects.c.id == project_id, projects.c.user_id == user_id)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        return None if row is None else ProjectRecord(**row._mapping)
+
+    async def owned_chat(
+        self, chat_id: str, user_id: str, project_id: str | None
+    ) -> ChatRecord | None:
+        """The chat, with :meth:`chat_access`'s AND semantics: exists, is the user's and is
+        inside the project scope — one query, ``None`` for any failure (no oracle)."""
+        condition = and_(chats.c.id == chat_id, chats.c.user_id == user_id)
+        if project_id is not None:
+            condition = and_(condition, chats.c.project_id == project_id)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(chats).where(condition))).first()
+        return None if row is None else ChatRecord(**row._mapping)
+
+    async def projects_page(
+        self,
+        user_id: str,
+        *,
+        only_project: str | None,
+        after: PageKey | None,
+        limit: int,
+    ) -> list[ProjectRecord]:
+        """Up to ``limit`` of the user's projects after ``after`` (``only_project``: just it)."""
+        condition = projects.c.user_id == user_id
+        if only_project is not None:
+            condition = and_(condition, projects.c.id == only_project)
+        rows = await self._page(projects, condition, after, limit)
+        return [ProjectRecord(**row._mapping) for row in rows]
+
+    async def chats_page(
+        self, user_id: str, *, project_id: str | None, after: PageKey | None, limit: int
+    ) -> list[ChatRecord]:
+        """Up to ``limit`` of the user's chats (in ``project_id`` when given) after ``after``."""
+        condition = chats.c.user_id == user_id
+        if project_id is not None:
+            condition = and_(condition, chats.c.project_id == project_id)
+        rows = await self._page(chats, condition, after, limit)
+        return [ChatRecord(**row._mapping) for row in rows]
+
+    async def api_keys_page(
+        self, user_id: str, *, after: PageKey | None, limit: int
+    ) -> list[ApiKeyRecord]:
+        rows = await self._page(api_keys, api_keys.c.user_id == user_id, after, limit)
+        return [ApiKeyRecord(**row._mapping) for row in rows]
+
+    async def revoke_owned_api_key(self, kid: str, user_id: str, now: datetime) -> bool:
+        """Revoke the user's key (the first revocation time is kept). ``False`` when the key
+        does not exist or is another user's — the two are not told apart."""
+        async with self.engine.begin() as conn:
+            found = (
+                await conn.execute(
+                    select(api_keys.c.id).where(api_keys.c.id == kid, api_keys.c.user_id == user_id)
+                )
+            ).first()
+            if found is None:
+                return False
+            await conn.execute(
+                update(api_keys)
+                .where(api_keys.c.id == kid, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=now)
+            )
+        return True
+
+    async def _page(
+        self, table: Table, condition: ColumnElement[bool], after: PageKey | None, limit: int
+    ) -> Sequence[Row[Any]]:
+        """Keyset pagination on (created_at, id): stable under inserts, no OFFSET scans."""
+        if after is not None:
+            condition = and_(
+                condition,
+                or_(
+                    table.c.created_at > after.created_at,
+                    and_(table.c.created_at == after.created_at, table.c.id > after.id),
+                ),
+            )
+        query = select(table).where(condition).order_by(table.c.created_at, table.c.id)
+        async with self.engine.connect() as conn:
+            return (await conn.execute(query.limit(limit))).all()
 
 
 def _fields(record: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ivy_sandbox.domain.eta import PhaseStat
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
+from ivy_sandbox.events import EventBus, LocalEventBus
 from ivy_sandbox.storage.tables import phase_stats, sandboxes
 
 PG_ADMISSION_LOCK = 0x1A7_AD01
@@ -78,8 +79,11 @@ def next_timeline(
 
 
 class SandboxRepository:
-    def __init__(self, engine: AsyncEngine) -> None:
+    """Every write that changes what a status reader sees publishes the chat on ``bus``."""
+
+    def __init__(self, engine: AsyncEngine, bus: EventBus | None = None) -> None:
         self.engine = engine
+        self.bus: EventBus = bus if bus is not None else LocalEventBus()
 
     # -- reads ---------------------------------------------------------------------------
     async def by_chat(self, chat_id: str) -> SandboxRecord | None:
@@ -161,7 +165,9 @@ class SandboxRepository:
                     if current is not None:
                         await conn.execute(delete(sandboxes).where(sandboxes.c.id == current.id))
                     await conn.execute(insert(sandboxes).values(**_values(record)))
-                    return record, True
+                    await self.bus.in_transaction(conn, record.chat_id)
+                self.bus.after_commit(record.chat_id)
+                return record, True
             except IntegrityError:
                 continue  # another launch for the chat won the race: read what it made
         current = await self.by_chat(record.chat_id)
@@ -175,16 +181,24 @@ class SandboxRepository:
             current = await self._by_chat(conn, chat_id)
             if current is not None:
                 await conn.execute(delete(sandboxes).where(sandboxes.c.id == current.id))
+                await self.bus.in_transaction(conn, chat_id)
+        if current is not None:
+            self.bus.after_commit(chat_id)
         return current
 
-    async def remove_by_id(self, sandbox_id: str, status: SandboxStatus) -> bool:
+    async def remove_by_id(self, record: SandboxRecord, status: SandboxStatus) -> bool:
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 delete(sandboxes).where(
-                    sandboxes.c.id == sandbox_id, sandboxes.c.status == status.value
+                    sandboxes.c.id == record.id, sandboxes.c.status == status.value
                 )
             )
-        return result.rowcount == 1
+            removed = result.rowcount == 1
+            if removed:
+                await self.bus.in_transaction(conn, record.chat_id)
+        if removed:
+            self.bus.after_commit(record.chat_id)
+        return removed
 
     async def touch_activity(self, sandbox_id: str, now: datetime) -> None:
         async with self.engine.begin() as conn:
@@ -238,9 +252,11 @@ class SandboxRepository:
     ) -> bool:
         return await self._fenced(sandbox_id, owner, backend_state=state, updated_at=now)
 
-    async def mark_queued(self, sandbox_id: str, owner: str, now: datetime) -> bool:
+    async def mark_queued(self, record: SandboxRecord, owner: str, now: datetime) -> bool:
         """Waiting for capacity: the ETA is unknown until a slot frees."""
-        return await self._fenced(sandbox_id, owner, eta_seconds=None, updated_at=now)
+        return await self._fenced(
+            record.id, owner, notify=record.chat_id, eta_seconds=None, updated_at=now
+        )
 
     async def admit(
         self,
@@ -255,14 +271,14 @@ class SandboxRepository:
         The compute phase's clock restarts at admission, so queue time does not pollute the
         phase statistics and the ETA counts from when work really began.
         """
-        admitted = sandboxes.alias("admitted")
+        holders = sandboxes.alias("holders")
         waiting = sandboxes.alias("waiting")
         used = (
             select(func.count())
-            .select_from(admitted)
+            .select_from(holders)
             .where(
-                admitted.c.admitted_at.is_not(None),
-                admitted.c.status.in_(["provisioning", "active"]),
+                holders.c.admitted_at.is_not(None),
+                holders.c.status.in_(["provisioning", "active"]),
             )
             .scalar_subquery()
         )
@@ -294,7 +310,12 @@ class SandboxRepository:
                 )
                 .values(admitted_at=now, phase_started_at=now, eta_seconds=eta_seconds)
             )
-        return result.rowcount == 1
+            admitted = result.rowcount == 1
+            if admitted:
+                await self.bus.in_transaction(conn, record.chat_id)
+        if admitted:
+            self.bus.after_commit(record.chat_id)
+        return admitted
 
     async def enter_phase(
         self,
@@ -319,7 +340,7 @@ class SandboxRepository:
             values.update(
                 ready_at=now, last_activity_at=now, lease_owner=None, lease_expires_at=None
             )
-        return await self._fenced(record.id, owner, **values)
+        return await self._fenced(record.id, owner, notify=record.chat_id, **values)
 
     async def fail(
         self,
@@ -358,7 +379,13 @@ class SandboxRepository:
                     timeline=next_timeline(record.timeline, now, None),
                 )
             )
-        return record if result.rowcount == 1 else None
+            failed = result.rowcount == 1
+            if failed:
+                await self.bus.in_transaction(conn, record.chat_id)
+        if not failed:
+            return None
+        self.bus.after_commit(record.chat_id)
+        return record
 
     async def record_phase_stat(
         self, backend: str, phase: Phase, stat: PhaseStat, now: datetime
@@ -380,7 +407,9 @@ class SandboxRepository:
                     pass  # a concurrent first sample won; one lost sample is harmless
 
     # -- helpers -------------------------------------------------------------------------
-    async def _fenced(self, sandbox_id: str, owner: str, **values: Any) -> bool:
+    async def _fenced(
+        self, sandbox_id: str, owner: str, *, notify: str | None = None, **values: Any
+    ) -> bool:
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 update(sandboxes)
@@ -391,7 +420,12 @@ class SandboxRepository:
                 )
                 .values(**values)
             )
-        return result.rowcount == 1
+            changed = result.rowcount == 1
+            if changed and notify is not None:
+                await self.bus.in_transaction(conn, notify)
+        if changed and notify is not None:
+            self.bus.after_commit(notify)
+        return changed
 
     @staticmethod
     async def _by_chat(conn: AsyncConnection, chat_id: str) -> SandboxRecord | None:

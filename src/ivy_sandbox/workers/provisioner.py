@@ -154,9 +154,7 @@ class Provisioner:
                 self._capacity_freed.set()
             return
         last = record.last_activity_at or record.ready_at or record.created_at
-        if last < idle_before and await self.sandboxes.remove_by_id(
-            record.id, SandboxStatus.ACTIVE
-        ):
+        if last < idle_before and await self.sandboxes.remove_by_id(record, SandboxStatus.ACTIVE):
             log.info("sandbox %s idle since %s: stopped", record.id, last.isoformat())
             await self.backend.stop(record.backend_state)
             self._capacity_freed.set()

@@ -155,7 +155,7 @@ class LaunchDriver:
                 await self._reload()
                 return
             if not announced_wait:  # queued: the ETA is unknown until a slot frees
-                if not await self.sandboxes.mark_queued(self.record.id, self.owner, now):
+                if not await self.sandboxes.mark_queued(self.record, self.owner, now):
                     raise LeaseLost
                 announced_wait = True
             remaining = deadline - asyncio.get_running_loop().time()

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
 
-from ivy_sandbox.api.deps import CurrentPrincipal, ServicesDep
+from ivy_sandbox.api.deps import CurrentPrincipal, ServicesDep, reauthenticate
 from ivy_sandbox.api.schemas import PROBLEM_RESPONSES, ExecBody, ExecResponse, SandboxDetail
 from ivy_sandbox.backends.base import ExecRequest
 from ivy_sandbox.domain.sandbox import StatusBody
-from ivy_sandbox.services import sandboxes
+from ivy_sandbox.services import sandboxes, watch
+from ivy_sandbox.services.watch import MAX_WAIT_SECONDS
 
 
 class AnyTextConvertor(Convertor[str]):
@@ -43,6 +45,28 @@ STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+PREFER_DESCRIPTION = (
+    "Long-poll: `wait=N` (N ≤ 60) holds the request until the status or phase differs from "
+    "`since` (or from the state when the request arrived), or N seconds pass; the answer is "
+    "always 200 with the current body. Without it the endpoint answers at once."
+)
+SINCE_DESCRIPTION = (
+    "With `Prefer: wait=N`: the `ETag` (without quotes) of the last status you saw; the "
+    "request returns as soon as the state differs from it."
+)
+
+
+def wait_preference(prefer: str | None) -> float | None:
+    """``Prefer: wait=N`` (RFC 7240) → N, capped at 60; anything unusable → no wait."""
+    if not prefer:
+        return None
+    for token in prefer.split(","):
+        name, _, value = token.strip().partition("=")
+        if name.strip().lower() == "wait" and value.strip().isdigit():
+            return float(min(int(value.strip()), MAX_WAIT_SECONDS))
+    return None
+
+
 # `:anytext` lets any chatId through (encoded slashes, newlines, empty), so every input reaches
 # the one authorization decision and gets the uniform 403 — never a router 404.
 @router.get(
@@ -58,16 +82,67 @@ STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
     responses=STATUS_RESPONSES,
 )
 async def get_sandbox_status(
-    chat_id: ChatIdPath, principal: CurrentPrincipal, services: ServicesDep
+    chat_id: ChatIdPath,
+    principal: CurrentPrincipal,
+    services: ServicesDep,
+    prefer: Annotated[str | None, Header(description=PREFER_DESCRIPTION)] = None,
+    # No constraints here: a bad value must never turn into a 422 on this endpoint.
+    since: Annotated[str | None, Query(description=SINCE_DESCRIPTION)] = None,
 ) -> JSONResponse:
-    body = await sandboxes.get_status(
-        chat_id,
-        principal,
-        repository=services.repository,
-        limiter=services.limiter,
-        clock=services.clock,
+    wait = wait_preference(prefer)
+    if wait is None:
+        body = await sandboxes.get_status(
+            chat_id,
+            principal,
+            repository=services.repository,
+            limiter=services.limiter,
+            clock=services.clock,
+        )
+        return JSONResponse(body)
+    body, token = await watch.wait_for_change(
+        services.watching, principal, chat_id, since=since, wait_seconds=wait
     )
-    return JSONResponse(body)
+    return JSONResponse(
+        body, headers={"ETag": f'"{token}"', "Preference-Applied": f"wait={wait:g}"}
+    )
+
+
+@router.get(
+    "/sandbox/{chatId:anytext}/events",
+    summary="Watch the sandbox status (Server-Sent Events)",
+    description=(
+        "A `text/event-stream`: the first event is the current status body, then one event "
+        "per change of status, phase, error or estimate (each `event: status`, `data:` the "
+        "same JSON as the status endpoint, `id:` its state token), keep-alive comments at "
+        "least every 15 s. The stream ends after `active`, `failed` or `none`, or with an "
+        "`event: error` if the credential stops being valid. Same authentication (the "
+        "`__session` cookie works for browsers' EventSource), scoping and limits as the status "
+        "endpoint."
+    ),
+    operation_id="watchSandboxStatus",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "A stream of status events",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        401: PROBLEM_RESPONSES[401],
+        403: PROBLEM_RESPONSES[403],
+        429: PROBLEM_RESPONSES[429],
+    },
+)
+async def watch_sandbox_status(
+    chat_id: ChatIdPath, request: Request, principal: CurrentPrincipal, services: ServicesDep
+) -> StreamingResponse:
+    stream = await watch.status_stream(
+        services.watching,
+        principal,
+        chat_id,
+        still_authenticated=functools.partial(reauthenticate, request),
+    )
+    return StreamingResponse(
+        stream, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
+    )
 
 
 # The routes below share the `anytext` chatId; those with a suffix (/exec, /keepalive) are

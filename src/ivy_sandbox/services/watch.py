@@ -1,0 +1,152 @@
+"""Watching a sandbox without waste: Server-Sent Events and long-poll on the status endpoint.
+
+Both speak the seed's status body and nothing else. A watcher subscribes to the chat on the
+event bus *before* reading the status (so a change between the read and the subscription is
+never missed), sleeps without holding a database connection, and on every wake-up reads the
+status again from the database — the event only says "look again". A periodic re-check
+bounds the delay when an event cannot arrive (a worker in another process on SQLite).
+
+What counts as a change: status, phase, error message, creation time (a relaunch), or the
+ETA appearing or disappearing (a queued launch admitted) — not the ETA's count-down, which
+clients can do alone, nor its re-estimation, which happens with a phase change anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from ivy_sandbox.auth.principal import Principal
+from ivy_sandbox.domain.ids import is_acceptable_id
+from ivy_sandbox.domain.sandbox import SandboxSnapshot, StatusBody, rfc3339, status_body
+from ivy_sandbox.errors import AuthenticationFailed, PermissionDenied
+from ivy_sandbox.events import EventBus
+from ivy_sandbox.ratelimit import RateLimiter
+from ivy_sandbox.services.clock import Clock
+from ivy_sandbox.services.sandboxes import authorize_chat
+from ivy_sandbox.storage.repository import Repository
+
+MAX_WAIT_SECONDS = 60
+KEEPALIVE_SECONDS = 15.0
+TERMINAL = frozenset({"active", "failed", "none"})
+
+
+@dataclass(frozen=True)
+class Watching:
+    repository: Repository
+    bus: EventBus
+    limiter: RateLimiter
+    clock: Clock
+    recheck_seconds: float  # how often to look even without an event
+
+    async def charge(self, principal: Principal, chat_id: str) -> None:
+        """A watch costs one request against the per-chat limit, like a status poll."""
+        await self.limiter.check_chat(
+            principal.user_id, chat_id if is_acceptable_id(chat_id) else "~"
+        )
+
+
+def state_token(snapshot: SandboxSnapshot | None) -> str:
+    """An opaque token that changes exactly when a watcher should be told (see module doc)."""
+    if snapshot is None:
+        return "none"
+    parts = (
+        snapshot.status.value,
+        snapshot.phase.value,
+        snapshot.error_message or "",
+        rfc3339(snapshot.created_at),  # a relaunch after failure is a new sandbox
+        "eta" if snapshot.eta_seconds is not None else "",  # queued → admitted
+    )
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+async def _read(
+    watching: Watching, principal: Principal, chat_id: str
+) -> tuple[SandboxSnapshot | None, str]:
+    access = await authorize_chat(watching.repository, principal, chat_id)
+    return access.sandbox, state_token(access.sandbox)
+
+
+async def wait_for_change(
+    watching: Watching,
+    principal: Principal,
+    chat_id: str,
+    *,
+    since: str | None,
+    wait_seconds: float,
+) -> tuple[StatusBody, str]:
+    """Long-poll: the status as soon as it differs from ``since`` (or now), else after
+    ``wait_seconds``. Always the current body; never an error for waiting too long."""
+    await watching.charge(principal, chat_id)
+    async with watching.bus.subscribe(chat_id) as subscription:
+        snapshot, token = await _read(watching, principal, chat_id)
+        baseline = since if since is not None else token
+        loop_deadline = watching.clock.monotonic() + min(wait_seconds, MAX_WAIT_SECONDS)
+        while token == baseline:
+            remaining = loop_deadline - watching.clock.monotonic()
+            if remaining <= 0:
+                break
+            await subscription.wait(min(remaining, watching.recheck_seconds))
+            snapshot, token = await _read(watching, principal, chat_id)
+    return status_body(snapshot, watching.clock.now()), token
+
+
+def sse_event(body: StatusBody, token: str) -> str:
+    data = json.dumps(body, separators=(",", ":"))
+    return f"id: {token}\nevent: status\ndata: {data}\n\n"
+
+
+async def status_stream(
+    watching: Watching,
+    principal: Principal,
+    chat_id: str,
+    *,
+    still_authenticated: Callable[[], Awaitable[object]],
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
+) -> AsyncIterator[str]:  # a coroutine returning the stream: errors come before any byte
+    """SSE: the current status, then one event per change, keep-alive comments while
+    nothing changes; ends after active, failed or none — or when the credential stops
+    being valid (checked at every keep-alive) or the chat stops being visible.
+
+    Authorization and rate limiting happen before the first byte, so a refused stream is
+    an ordinary 403/429 response, not an event."""
+    await watching.charge(principal, chat_id)
+    await authorize_chat(watching.repository, principal, chat_id)
+    return _stream(watching, principal, chat_id, still_authenticated, keepalive_seconds)
+
+
+async def _stream(
+    watching: Watching,
+    principal: Principal,
+    chat_id: str,
+    still_authenticated: Callable[[], Awaitable[object]],
+    keepalive_seconds: float,
+) -> AsyncIterator[str]:
+    async with watching.bus.subscribe(chat_id) as subscription:
+        # Read after subscribing: no change can fall between the read and the subscription.
+        snapshot, token = await _read(watching, principal, chat_id)
+        yield "retry: 2000\n\n"
+        while True:
+            body = status_body(snapshot, watching.clock.now())
+            yield sse_event(body, token)
+            if body["status"] in TERMINAL:
+                return
+            sent = token
+            quiet_since = watching.clock.monotonic()
+            while token == sent:
+                await subscription.wait(min(keepalive_seconds, watching.recheck_seconds))
+                if watching.clock.monotonic() - quiet_since >= keepalive_seconds:
+                    try:
+                        await still_authenticated()
+                    except AuthenticationFailed:
+                        yield 'event: error\ndata: {"code":"unauthenticated"}\n\n'
+                        return
+                    yield ": keep-alive\n\n"
+                    quiet_since = watching.clock.monotonic()
+                try:
+                    snapshot, token = await _read(watching, principal, chat_id)
+                except PermissionDenied:
+                    yield 'event: error\ndata: {"code":"forbidden"}\n\n'
+                    return

@@ -1,0 +1,235 @@
+"""Watching a launch: Server-Sent Events and long-poll, in one process and across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import World
+from fakes import WallClock
+from ivy_sandbox.backends.fake import FakeBackend
+from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.domain.sandbox import Phase
+from ivy_sandbox.errors import AuthenticationFailed
+from ivy_sandbox.events import PostgresEventBus
+from ivy_sandbox.services import watch
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+
+@pytest.fixture
+def clock() -> WallClock:  # type: ignore[override]
+    return WallClock()
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(delays={Phase.COMPUTE: 0.2, Phase.MOUNT: 0.2, Phase.READY: 0.2})
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    events = []
+    for block in text.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1)
+            for line in block.splitlines()
+            if ": " in line and not line.startswith(":")
+        )
+        if fields.get("event") == "status":
+            events.append({"id": fields["id"], **json.loads(fields["data"])})
+    return events
+
+
+async def test_sse_sends_the_current_status_then_each_change_and_ends_when_active(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    headers = {"X-Ivy-Api-Key": key}
+    await client.post(f"/v1/sandbox/{chat}", headers=headers)
+    response = await client.get(f"/v1/sandbox/{chat}/events", headers=headers)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-store"
+    events = parse_sse(response.text)
+    phases = [(e["status"], e.get("phase")) for e in events]
+    assert phases[0] == ("provisioning", "compute")
+    assert phases[-1] == ("active", "ready")
+    assert ("provisioning", "mount") in phases
+    assert len({e["id"] for e in events}) == len(events)  # one event per change, no repeats
+    for event in events:  # each is exactly the status body (plus its id)
+        body = {k: v for k, v in event.items() if k != "id"}
+        assert set(body) <= {"status", "phase", "etaSeconds", "errorMessage", "createdAt"}
+
+
+async def test_sse_on_a_chat_without_sandbox_sends_none_and_ends(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    response = await client.get(f"/v1/sandbox/{chat}/events", headers={"X-Ivy-Api-Key": key})
+    assert parse_sse(response.text) == [{"id": "none", "status": "none"}]
+
+
+async def test_sse_refusals_are_ordinary_401_and_403_responses(
+    client: httpx.AsyncClient, world: World, tokens: Any
+) -> None:
+    key = await world.key()
+    assert (await client.get("/v1/sandbox/chat_x/events")).status_code == 401
+    denied = await client.get("/v1/sandbox/chat_x/events", headers={"X-Ivy-Api-Key": key})
+    assert denied.status_code == 403
+    assert denied.json()["code"] == "forbidden"
+    chat = await world.chat()
+    cookie = {"Cookie": f"__session={tokens.token()}"}  # browsers' EventSource sends cookies
+    assert (await client.get(f"/v1/sandbox/{chat}/events", headers=cookie)).status_code == 200
+
+
+async def test_an_sse_stream_ends_when_its_credential_stops_being_valid(
+    services: Services, world: World
+) -> None:
+    chat = await world.chat()
+    await world.sandbox(chat, "provisioning", "compute")
+    principal = await services.authenticator.authenticate(
+        __import__("ivy_sandbox.auth.credentials", fromlist=["x"]).Credential(
+            __import__("ivy_sandbox.auth.credentials", fromlist=["x"]).CredentialType.API_KEY,
+            await world.key(),
+        )
+    )
+    checks = 0
+
+    async def revoked_after_first_check() -> None:
+        nonlocal checks
+        checks += 1
+        if checks > 1:
+            raise AuthenticationFailed("revoked")
+
+    stream = await watch.status_stream(
+        services.watching,
+        principal,
+        chat,
+        still_authenticated=revoked_after_first_check,
+        keepalive_seconds=0.05,
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].startswith("event: error")
+    assert '"unauthenticated"' in chunks[-1]
+    assert any(chunk.startswith(": keep-alive") for chunk in chunks)
+
+
+async def test_long_poll_answers_as_soon_as_the_phase_changes(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    headers = {"X-Ivy-Api-Key": key}
+    first = (await client.post(f"/v1/sandbox/{chat}", headers=headers)).json()
+    started = time.monotonic()
+    response = await client.get(
+        f"/v1/sandbox/{chat}/status", headers=headers | {"Prefer": "wait=20"}
+    )
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200
+    assert response.headers["preference-applied"] == "wait=20"
+    assert (
+        response.json()["phase"] != first["phase"] or response.json()["status"] != first["status"]
+    )
+    assert elapsed < 5  # far sooner than the 20 s it was allowed to wait
+    token = response.headers["etag"].strip('"')
+    again = await client.get(
+        f"/v1/sandbox/{chat}/status",
+        params={"since": token},
+        headers=headers | {"Prefer": "wait=20"},
+    )
+    assert again.headers["etag"].strip('"') != token
+
+
+async def test_long_poll_without_a_change_returns_the_current_body_after_the_wait(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    headers = {"X-Ivy-Api-Key": key, "Prefer": "wait=1"}
+    started = time.monotonic()
+    response = await client.get(f"/v1/sandbox/{chat}/status", headers=headers)
+    assert time.monotonic() - started >= 0.9
+    assert (response.status_code, response.json()) == (200, {"status": "none"})
+
+
+@pytest.mark.parametrize("prefer", ["wait=abc", "respond-async", "wait=-1", ""])
+async def test_unusable_prefer_values_answer_at_once_like_a_plain_poll(
+    client: httpx.AsyncClient, world: World, prefer: str
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    response = await client.get(
+        f"/v1/sandbox/{chat}/status", headers={"X-Ivy-Api-Key": key, "Prefer": prefer}
+    )
+    assert (response.status_code, response.json()) == (200, {"status": "none"})
+    assert "preference-applied" not in response.headers
+
+
+async def test_long_poll_wait_is_capped_at_sixty_seconds(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    await client.post(f"/v1/sandbox/{chat}", headers={"X-Ivy-Api-Key": key})
+    response = await client.get(
+        f"/v1/sandbox/{chat}/status", headers={"X-Ivy-Api-Key": key, "Prefer": "wait=3600"}
+    )
+    assert response.headers["preference-applied"] == "wait=60"
+
+
+@pytest.mark.postgres
+async def test_a_change_made_by_a_worker_process_reaches_a_waiting_client_through_postgres(
+    client: httpx.AsyncClient, world: World, services: Services, database_url: str, tmp_path: Path
+) -> None:
+    if not database_url.startswith("postgresql"):
+        pytest.skip("cross-process delivery needs the LISTEN/NOTIFY bus; this is the SQLite run")
+    # The API side: PostgreSQL events, no in-process worker (it would drive the launch itself).
+    assert services.provisioner is not None
+    await services.provisioner.aclose()
+    services.provisioner = None
+    bus = PostgresEventBus(database_url)
+    await bus.start()
+    services.bus = bus
+    services.sandboxes.bus = bus
+    worker = subprocess.Popen(  # noqa: ASYNC220 - started once, outside the timed part
+        [str(Path(sys.executable).parent / "ivy-sandbox"), "worker"],
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("IVY_")},
+            "IVY_DATA_DIR": str(tmp_path),
+            "IVY_DATABASE_URL": database_url,
+            "IVY_SANDBOX_BACKEND": "latency-fake",
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        key, chat = await world.key(), await world.chat()
+        headers = {"X-Ivy-Api-Key": key}
+        body = (await client.post(f"/v1/sandbox/{chat}", headers=headers)).json()
+        seen = [(body["status"], body["phase"])]
+        token = None
+        deadline = time.monotonic() + 30
+        while seen[-1][0] != "active" and time.monotonic() < deadline:
+            params = {"since": token} if token else {}
+            # With no event the wait would run its full 10 s and the re-check is 15 s away:
+            # only a NOTIFY from the worker process can end these waits early.
+            started = time.monotonic()
+            response = await client.get(
+                f"/v1/sandbox/{chat}/status", params=params, headers=headers | {"Prefer": "wait=10"}
+            )
+            token = response.headers["etag"].strip('"')
+            current = response.json()
+            if (current["status"], current.get("phase")) != seen[-1]:
+                assert time.monotonic() - started < 9, "a change arrived only when the wait ran out"
+                seen.append((current["status"], current.get("phase")))
+        assert seen[-1] == ("active", "ready")
+        assert ("provisioning", "mount") in seen
+    finally:
+        worker.terminate()
+        worker.wait(timeout=10)
+        await bus.aclose()
