@@ -341,3 +341,13 @@ def world(repository: Repository, clock: FakeClock) -> World:
 @pytest.fixture
 def bearer() -> Callable[[str], dict[str, str]]:
     return lambda credential: {"Authorization": f"Bearer {credential}"}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Tests marked ``both_loops`` (real sandboxes) run on asyncio and on uvloop: `serve` runs
+    on uvloop (uvicorn[standard]) and the backend must work there too."""
+    if item.get_closest_marker("both_loops") is None:
+        return {"asyncio": asyncio.new_event_loop}
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

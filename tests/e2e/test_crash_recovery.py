@@ -8,6 +8,7 @@ phase behind the first sandbox, so they are provisioning when the kill lands.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -24,17 +25,18 @@ WAIT = 30.0
 
 
 def sandbox_pids(data_dir: Path) -> set[int]:
-    """Host pids whose command line names this data dir's workspaces (the sandboxes)."""
-    marker = str(data_dir.resolve() / "workspaces").encode()
+    """Host pids in this data dir's sandbox cgroups (named ivy-<hash of data dir>-<sandbox>)."""
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+    marker = f"/ivy-{digest}-"
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            cgroups = (entry / "cgroup").read_text()
         except OSError:
             continue
-        if marker in cmdline and int(entry.name) != os.getpid():
+        if marker in cgroups:
             pids.add(int(entry.name))
     return pids
 

@@ -42,6 +42,8 @@ MB = 1024 * 1024
 ROOT = os.geteuid() == 0
 CGROUP_V1 = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()
 
+pytestmark = pytest.mark.both_loops  # serve runs on uvloop; tests default to asyncio
+
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[LocalBackend]:

@@ -25,7 +25,7 @@ from ivy_sandbox.backends.base import BackendError, SandboxBackend
 from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.workers.steps import EngineSettings
 
-pytestmark = pytest.mark.usefixtures("worker")
+pytestmark = [pytest.mark.usefixtures("worker"), pytest.mark.both_loops]
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ivy_sandbox.backends import bwrap_args as args
 from ivy_sandbox.backends import cgroups
@@ -407,13 +407,16 @@ class LocalBackend:
     ) -> ExecResult:
         loop = asyncio.get_running_loop()
         capture = _Capture(request.output_limit_bytes)
+        if self._root:
+            # Drop root's supplementary groups for the exec'd process. Done with setpriv, not
+            # the extra_groups= keyword: uvloop (what `serve` runs on) does not accept it.
+            argv = [self._tools.setpriv, "--clear-groups", "--", *argv]
         transport, _ = await loop.subprocess_exec(
             lambda: capture,
             *args.gated(argv, stdin_to_null=False),
             env={"PATH": args.DEFAULT_PATH},
             cwd="/",
             start_new_session=True,
-            extra_groups=[] if self._root else None,
             pass_fds=pass_fds,
         )
         timed_out = False
@@ -424,8 +427,9 @@ class LocalBackend:
                 cgroups.apply_rlimits(pid, sandbox.state.get("rlimits") or {})
             except OSError as error:
                 raise BackendError(ErrorCode.SANDBOX_EXITED, f"sandbox cgroups: {error}") from None
-            stdin = transport.get_pipe_transport(0)
-            assert isinstance(stdin, asyncio.WriteTransport)
+            # uvloop's pipe transports are not asyncio.WriteTransport subclasses; duck-type.
+            stdin = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))
+            assert stdin is not None
             stdin.write(b"go\n" + request.stdin)
             stdin.write_eof()
             try:
