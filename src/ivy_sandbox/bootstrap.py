@@ -57,6 +57,11 @@ class Services:
         )
 
     @property
+    def pepper(self) -> bytes:
+        """The API-key HMAC pepper: new keys must be hashed with what verification uses."""
+        return self.authenticator.pepper
+
+    @property
     def watching(self) -> Watching:
         # Events always reach us when every change is made in this process or announced
         # through PostgreSQL; otherwise (SQLite + separate workers) look once a second.

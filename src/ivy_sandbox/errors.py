@@ -15,6 +15,7 @@ The tree::
     └── ApiError                      mapped to HTTP in one place: ivy_sandbox.api.problems
         ├── AuthenticationFailed      401  unauthenticated   (one body for every cause)
         ├── PermissionDenied          403  forbidden         (any chat you may not see)
+        │   └── SessionRequired       403  session_required  (an API key managing keys)
         ├── NotFound                  404  not_found         (admin objects; never sandboxes)
         ├── Conflict                  409  conflict
         ├── InvalidRequest            422  invalid_request   (bad fields; never on status)
@@ -67,6 +68,17 @@ class PermissionDenied(ApiError):
     code = "forbidden"
     title = "Forbidden"
     default_detail = "You do not own this chat, or your key's project scope excludes it."
+
+
+class SessionRequired(PermissionDenied):
+    """An API key tried what only a Clerk session may do: a key can never mint, list or
+    revoke keys."""
+
+    code = "session_required"
+    default_detail = (
+        "API keys can be created, listed and revoked only with a Clerk session, "
+        "not with an API key."
+    )
 
 
 class NotFound(ApiError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Generic, Protocol, TypeVar
@@ -14,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 from ivy_sandbox.auth.api_keys import generate_api_key, hash_api_key
 from ivy_sandbox.auth.principal import CredentialKind, Principal
 from ivy_sandbox.domain.ids import is_acceptable_id, new_id
-from ivy_sandbox.errors import InvalidRequest, NotFound, PermissionDenied
+from ivy_sandbox.errors import InvalidRequest, NotFound, PermissionDenied, SessionRequired
 from ivy_sandbox.services.clock import Clock
 from ivy_sandbox.storage.repository import (
     ApiKeyRecord,
@@ -175,20 +176,6 @@ SCOPED_KEY_CANNOT_CREATE_PROJECTS = (
 )
 KEY_NOT_FOUND = "No such API key among yours."
 _CURSOR_TEXT = re.compile(r"[A-Za-z0-9_-]+")
-
-
-class SessionRequired(PermissionDenied):
-    """403 ``session_required``: an API key tried what only a Clerk session may do.
-
-    A key can never mint keys (nor list or revoke them). Part of the exception tree under
-    :class:`~ivy_sandbox.errors.PermissionDenied`; mapped to HTTP by the one handler.
-    """
-
-    code = "session_required"
-    default_detail = (
-        "API keys can be created, listed and revoked only with a Clerk session, "
-        "not with an API key."
-    )
 
 
 class _Keyed(Protocol):
@@ -397,11 +384,17 @@ async def list_own_api_keys(
 
 
 async def revoke_own_api_key(
-    repository: Repository, clock: Clock, principal: Principal, key_id: str
+    repository: Repository,
+    clock: Clock,
+    principal: Principal,
+    key_id: str,
+    *,
+    forget_cached: Callable[[], None] = lambda: None,
 ) -> None:
     """Revoke one of the session's user's keys (idempotent). A missing key and another
     user's key get the same 404 — there is nothing to learn about keys that are not yours.
-    Every process stops accepting the key within the authentication cache's 5 s."""
+    ``forget_cached`` drops this process's verification cache, so the key fails here at
+    once; other processes stop accepting it within their cache's 5 s."""
     require_session(principal)
     if not is_acceptable_id(key_id) or not await repository.revoke_owned_api_key(
         key_id, principal.user_id, clock.now()
@@ -409,3 +402,4 @@ async def revoke_own_api_key(
         raise NotFound(
             f"api key {key_id!r} not among {principal.user_id}'s keys", detail=KEY_NOT_FOUND
         )
+    forget_cached()

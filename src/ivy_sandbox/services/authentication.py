@@ -50,7 +50,12 @@ class Authenticator:
             return await self._api_key(credential.value)
         return await self._session(credential.value)
 
+    @property
+    def pepper(self) -> bytes:
+        return self._pepper
+
     def forget_cached_keys(self) -> None:
+        """Drop every cached verification (e.g. after a revocation made in this process)."""
         self._keys.clear()
 
     async def _api_key(self, raw: str) -> Principal:

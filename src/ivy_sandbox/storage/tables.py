@@ -78,7 +78,7 @@ projects = Table(
     Column("user_id", String(ID), ForeignKey("users.id", ondelete="CASCADE"), nullable=False),
     Column("name", String(200), nullable=False),
     Column("created_at", UTCDateTime(), nullable=False),
-    Index(None, "user_id"),
+    Index(None, "user_id", "created_at", "id"),  # the owner's listing, in page order
 )
 
 chats = Table(
@@ -89,7 +89,7 @@ chats = Table(
     Column("project_id", String(ID), ForeignKey("projects.id", ondelete="SET NULL"), nullable=True),
     Column("title", String(500), nullable=True),
     Column("created_at", UTCDateTime(), nullable=False),
-    Index(None, "user_id"),
+    Index(None, "user_id", "created_at", "id"),
     Index(None, "project_id"),
 )
 
@@ -105,7 +105,7 @@ api_keys = Table(
     Column("expires_at", UTCDateTime(), nullable=True),
     Column("revoked_at", UTCDateTime(), nullable=True),
     Column("last_used_at", UTCDateTime(), nullable=True),
-    Index(None, "user_id"),
+    Index(None, "user_id", "created_at", "id"),
 )
 
 # At most one sandbox per chat (the current one); "none" is the absence of a row.

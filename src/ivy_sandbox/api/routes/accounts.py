@@ -37,7 +37,6 @@ from ivy_sandbox.api.schemas import (
     ProjectList,
     problem_doc,
 )
-from ivy_sandbox.config import api_key_pepper
 from ivy_sandbox.domain.sandbox import rfc3339
 from ivy_sandbox.services import accounts
 from ivy_sandbox.storage.repository import ApiKeyRecord, ChatRecord, ProjectRecord
@@ -290,7 +289,7 @@ async def create_api_key(
     created = await accounts.create_own_api_key(
         services.repository,
         services.clock,
-        api_key_pepper(services.settings),
+        services.pepper,
         principal,
         project_id=body.projectId,
         name=body.name,
@@ -337,9 +336,9 @@ async def list_api_keys(
     summary="Revoke an API key",
     description=(
         "Revokes one of your API keys (idempotent: revoking a revoked key is 204 again and "
-        "keeps the first revocation time). Every server stops accepting the key within 5 "
-        "seconds. A key id that is not one of your keys — missing, another user's, or "
-        "malformed — gets one identical 404." + SESSION_ONLY
+        "keeps the first revocation time). This server refuses the key at once; every other "
+        "server process within 5 seconds. A key id that is not one of your keys — missing, "
+        "another user's, or malformed — gets one identical 404." + SESSION_ONLY
     ),
     operation_id="revokeApiKey",
     status_code=204,
@@ -361,5 +360,11 @@ async def revoke_api_key(
     principal: CurrentPrincipal,
     services: ServicesDep,
 ) -> Response:
-    await accounts.revoke_own_api_key(services.repository, services.clock, principal, key_id)
+    await accounts.revoke_own_api_key(
+        services.repository,
+        services.clock,
+        principal,
+        key_id,
+        forget_cached=services.authenticator.forget_cached_keys,
+    )
     return Response(status_code=204)
