@@ -11,8 +11,9 @@ from fastapi.openapi.utils import get_openapi
 
 import ivy_sandbox
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
+from ivy_sandbox.api.observability import ObservabilityMiddleware
 from ivy_sandbox.api.problems import install_error_handlers
-from ivy_sandbox.api.routes import accounts, sandboxes
+from ivy_sandbox.api.routes import accounts, health, sandboxes
 from ivy_sandbox.api.schemas import Problem
 from ivy_sandbox.bootstrap import Services, build_services
 from ivy_sandbox.config import Settings
@@ -92,8 +93,10 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(sandboxes.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     app.include_router(accounts.router, prefix=API_PREFIX)
     app.include_router(accounts.router, prefix=ALIAS_PREFIX, include_in_schema=False)
+    app.include_router(health.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(ObservabilityMiddleware)  # outermost: sees every answer
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

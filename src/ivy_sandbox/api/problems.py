@@ -22,6 +22,7 @@ from ivy_sandbox.errors import (
     RateLimited,
     ServiceUnavailable,
 )
+from ivy_sandbox.metrics import AUTH_FAILURES, RATE_LIMITED
 from ivy_sandbox.ratelimit import rate_limit_headers
 
 log = logging.getLogger("ivy_sandbox.api")
@@ -51,11 +52,13 @@ def problem_response(
 def api_error_response(error: ApiError) -> Response:
     headers: dict[str, str] = {}
     if isinstance(error, AuthenticationFailed):
+        AUTH_FAILURES.inc()
         challenge = 'Bearer realm="ivy"'
         if error.credential_sent:
             challenge += ', error="invalid_token"'
         headers["WWW-Authenticate"] = challenge
     elif isinstance(error, RateLimited):
+        RATE_LIMITED.labels(error.state.policy_name).inc()
         headers.update(rate_limit_headers(error.state))
     elif isinstance(error, ServiceUnavailable):
         headers["Retry-After"] = str(error.retry_after_seconds)

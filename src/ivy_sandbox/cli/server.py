@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import typer
 
 from ivy_sandbox.cli.common import run_or_fail, run_with_repository, settings_or_exit
+from ivy_sandbox.logs import configure_logging
 from ivy_sandbox.services.clock import SystemClock
 from ivy_sandbox.storage.repository import Repository
 
@@ -30,8 +30,15 @@ def serve(
 
     settings = settings_or_exit()
     run_or_fail(preflight(settings))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    configure_logging(settings.log_format, settings.log_level)
+    # log_config=None: uvicorn's loggers go through our handler (JSON, with request ids).
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_config=None,
+        log_level=settings.log_level.lower(),
+    )
 
 
 def migrate() -> None:
@@ -59,7 +66,7 @@ def worker() -> None:
     from ivy_sandbox.workers.provisioner import Provisioner
 
     settings = settings_or_exit()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
 
     async def main() -> None:
         repository = await open_repository(settings)

@@ -84,6 +84,11 @@ class Repository:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
+    async def ping(self) -> None:
+        """One round trip to the database (readiness)."""
+        async with self.engine.connect() as conn:
+            await conn.execute(select(1))
+
     # -- the hot path ------------------------------------------------------------------
     async def chat_access(
         self, chat_id: str, user_id: str, project_id: str | None

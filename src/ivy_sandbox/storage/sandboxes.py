@@ -16,7 +16,7 @@ from sqlalchemy import and_, delete, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ivy_sandbox.domain.eta import PhaseStat
+from ivy_sandbox.domain.eta import PhaseStat, observe
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
 from ivy_sandbox.events import EventBus, LocalEventBus
 from ivy_sandbox.storage.tables import phase_stats, sandboxes
@@ -102,6 +102,12 @@ class SandboxRepository:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query.order_by(sandboxes.c.created_at))).all()
         return [SandboxRecord.from_row(row) for row in rows]
+
+    async def count_by_status(self) -> dict[SandboxStatus, int]:
+        query = select(sandboxes.c.status, func.count()).group_by(sandboxes.c.status)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {SandboxStatus(status): int(count) for status, count in rows}
 
     async def claimable(self, now: datetime, limit: int) -> list[str]:
         """Provisioning sandboxes that no live worker holds, oldest first."""
@@ -387,24 +393,36 @@ class SandboxRepository:
         self.bus.after_commit(record.chat_id)
         return record
 
-    async def record_phase_stat(
-        self, backend: str, phase: Phase, stat: PhaseStat, now: datetime
-    ) -> None:
-        values = {"samples": stat.samples, "mean_seconds": stat.mean_seconds, "updated_at": now}
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                update(phase_stats)
-                .where(phase_stats.c.backend == backend, phase_stats.c.phase == phase.value)
-                .values(**values)
-            )
-            if result.rowcount == 0:
-                try:
-                    async with conn.begin_nested():
+    async def record_phase_duration(
+        self, backend: str, phase: Phase, seconds: float, now: datetime
+    ) -> PhaseStat:
+        """Fold one observed duration into the phase's statistic, atomically (concurrent
+        launches must not overwrite each other's samples); returns the new statistic."""
+        key = (phase_stats.c.backend == backend, phase_stats.c.phase == phase.value)
+        for _ in range(3):
+            try:
+                async with self.engine.begin() as conn:
+                    query = select(phase_stats.c.samples, phase_stats.c.mean_seconds).where(*key)
+                    if conn.dialect.name == "postgresql":
+                        query = query.with_for_update()
+                    row = (await conn.execute(query)).first()
+                    current = None if row is None else PhaseStat(row.samples, row.mean_seconds)
+                    stat = observe(backend, phase, current, seconds)
+                    values = {
+                        "samples": stat.samples,
+                        "mean_seconds": stat.mean_seconds,
+                        "updated_at": now,
+                    }
+                    if row is None:
                         await conn.execute(
                             insert(phase_stats).values(backend=backend, phase=phase.value, **values)
                         )
-                except IntegrityError:
-                    pass  # a concurrent first sample won; one lost sample is harmless
+                    else:
+                        await conn.execute(update(phase_stats).where(*key).values(**values))
+                return stat
+            except IntegrityError:
+                continue  # a concurrent first sample created the row: fold into it
+        return observe(backend, phase, None, seconds)
 
     # -- helpers -------------------------------------------------------------------------
     async def _fenced(

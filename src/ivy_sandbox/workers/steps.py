@@ -25,8 +25,9 @@ from ivy_sandbox.backends.base import (
     SandboxBackend,
     SandboxSpec,
 )
-from ivy_sandbox.domain.eta import PhaseStat, observe, seconds_until_ready
+from ivy_sandbox.domain.eta import PhaseStat, seconds_until_ready
 from ivy_sandbox.domain.sandbox import Phase, SandboxStatus
+from ivy_sandbox.metrics import LAUNCHES, PHASE_DURATION
 from ivy_sandbox.services.clock import Clock
 from ivy_sandbox.storage.sandboxes import SandboxRecord, SandboxRepository
 
@@ -139,6 +140,7 @@ class LaunchDriver:
         if self.record.phase is Phase.READY:
             await self._within(Phase.READY, self._probe_until_ready())
             await self._enter(Phase.READY, SandboxStatus.ACTIVE)
+            LAUNCHES.labels("active", "").inc()
             log.info("sandbox %s active", self.record.id)
 
     async def _admit(self) -> None:
@@ -205,8 +207,11 @@ class LaunchDriver:
         now = self.clock.now()
         finished = self.record.phase
         took = (now - self.record.phase_started_at).total_seconds()
-        stat = observe(self.backend.name, finished, self.stats.get(finished), took)
-        self.stats[finished] = stat
+        PHASE_DURATION.labels(self.backend.name, finished.value).observe(max(0.0, took))
+        # Recorded before the transition, so whoever sees the new state also sees the stat.
+        self.stats[finished] = await self.sandboxes.record_phase_duration(
+            self.backend.name, finished, took, now
+        )
         eta = (
             None
             if status is SandboxStatus.ACTIVE
@@ -214,7 +219,6 @@ class LaunchDriver:
         )
         if not await self.sandboxes.enter_phase(self.record, self.owner, phase, now, eta, status):
             raise LeaseLost
-        await self.sandboxes.record_phase_stat(self.backend.name, finished, stat, now)
         await self._reload()
 
     async def _save_state(self) -> None:
@@ -238,6 +242,7 @@ class LaunchDriver:
 
     async def _fail(self, code: ErrorCode, message: str) -> None:
         log.warning("sandbox %s failed: %s (%s)", self.record.id, message, code)
+        LAUNCHES.labels("failed", code.value).inc()
         await self.sandboxes.fail(
             self.record.id, code.value, message, self.clock.now(), owner=self.owner
         )
