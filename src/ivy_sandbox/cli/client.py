@@ -7,8 +7,10 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.console import Console
 
 from ivy_sandbox.cli.common import JsonFlag, emit, fail
+from ivy_sandbox.cli.progress import Display, display_for
 
 T = TypeVar("T")
 
@@ -33,47 +35,85 @@ def _client_call(call: Callable[[], T]) -> T:
         fail(str(exc))
 
 
-class ProgressLines:
-    """Writes one stderr line per visible change of status, phase or ETA."""
+NO_SANDBOX_EXIT = 3  # --follow / --wait on a chat whose status is `none`
 
-    def __init__(self) -> None:
-        self.last = ""
+TimeoutOption = Annotated[
+    float, typer.Option("--timeout", metavar="SECONDS", help="Give up waiting after SECONDS.")
+]
 
-    def __call__(self, body: dict[str, Any]) -> None:
-        parts = [str(body.get("status", "?"))]
-        if "phase" in body:
-            parts.append(str(body["phase"]))
-        if "etaSeconds" in body:
-            parts.append(f"~{body['etaSeconds']} s")
-        line = " ".join(parts)
-        if line != self.last:
-            typer.echo(line, err=True)
-            self.last = line
+
+def _watch(ivy: Any, chat_id: str, timeout: float, display: Display) -> dict[str, Any]:
+    """Wait until active, showing progress on ``display``; on failure, one error line and
+    exit 1 (``none``: exit 3). The display is closed before anything is printed after it."""
+    from ivy_sandbox.client import IvySandboxClientError, NoSandboxError, SandboxFailedError
+
+    problem: tuple[str, int] | None = None
+    body: dict[str, Any] = {}
+    with display:
+        try:
+            body = ivy.sandbox.wait_until_ready(
+                chat_id, timeout=timeout, on_progress=display.update
+            )
+            display.done(body)
+        except SandboxFailedError as exc:
+            display.failed(exc.error_code, exc.error_message)
+            problem = (f"{exc.error_code or 'failed'}: {exc.error_message}", 1)
+        except NoSandboxError as exc:
+            display.gave_up("no sandbox")
+            problem = (str(exc), NO_SANDBOX_EXIT)
+        except IvySandboxClientError as exc:
+            display.gave_up("stopped waiting")
+            problem = (str(exc), 1)
+    if problem is not None:
+        fail(*problem)
+    return body
 
 
 def launch(
     chat_id: Annotated[str, typer.Argument(metavar="CHAT_ID")],
-    wait: Annotated[bool, typer.Option("--wait", help="Wait until the sandbox is active.")] = False,
-    timeout: Annotated[float, typer.Option(help="With --wait: give up after SECONDS.")] = 300.0,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="Wait until the sandbox is active, showing progress on stderr (live on a "
+            "terminal); exit 1 if it fails.",
+        ),
+    ] = False,
+    timeout: TimeoutOption = 300.0,
     as_json: JsonFlag = False,
 ) -> None:
     """Launch the chat's sandbox; prints its status (with --wait: `active`, or fails)."""
     with _client() as ivy:
         body = _client_call(lambda: ivy.sandbox.launch(chat_id))
         if wait and body.get("status") != "active":
-            progress = ProgressLines()
-            progress(body)
-            body = _client_call(
-                lambda: ivy.sandbox.wait_until_ready(chat_id, timeout=timeout, on_progress=progress)
-            )
+            console = Console(stderr=True)
+            display = display_for(stream=sys.stderr, console=console, json_lines=False)
+            body = _watch(ivy, chat_id, timeout, display)
     emit(str(body["status"]), as_json, body)
 
 
 def status(
-    chat_id: Annotated[str, typer.Argument(metavar="CHAT_ID")], as_json: JsonFlag = False
+    chat_id: Annotated[str, typer.Argument(metavar="CHAT_ID")],
+    as_json: JsonFlag = False,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow",
+            "-f",
+            help="Follow a launch until it ends: a live display on a terminal, else (or with "
+            "--json) one JSON status body per change. Exit 0 when active, 1 when failed, "
+            "3 when the chat has no sandbox.",
+        ),
+    ] = False,
+    timeout: TimeoutOption = 300.0,
 ) -> None:
     """Print the sandbox status (`none`, `provisioning`, `active` or `failed`)."""
     with _client() as ivy:
+        if follow:
+            json_lines = as_json or not sys.stdout.isatty()
+            display = display_for(stream=sys.stdout, console=Console(), json_lines=json_lines)
+            _watch(ivy, chat_id, timeout, display)
+            return
         body = _client_call(lambda: ivy.sandbox.status(chat_id))
     emit(str(body["status"]), as_json, body)
 

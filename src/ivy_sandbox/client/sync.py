@@ -1,146 +1,188 @@
-"""The synchronous client."""
+"""The synchronous client: blocking I/O around the shared logic of ``_protocol``."""
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-from urllib.parse import quote
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import closing
+from typing import Any, TypeVar
 
 import httpx
 
-from ivy_sandbox.client.errors import (
-    APIStatusError,
-    AuthenticationError,
-    ConflictError,
-    IvySandboxClientError,
-    PermissionDeniedError,
-    RateLimitError,
-    SandboxFailedError,
-    TimeoutError,
-)
+from ivy_sandbox.client import _protocol as p
+from ivy_sandbox.client.types import ExecResult, SandboxDetail, StatusBody
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-POLL_SECONDS = 1.0  # the seed page: "poll about once per second or two"
-TERMINAL = {"active", "failed", "none"}
+__all__ = ["Client", "SyncSandbox"]
 
-Body = dict[str, Any]
+T = TypeVar("T")
 
 
-def raise_for_problem(response: httpx.Response) -> None:
-    """Turn an error answer into the SDK's typed error."""
-    if response.is_success:
-        return
+def _build(http: httpx.Client, call: p.Call) -> httpx.Request:
+    return http.build_request(
+        call.method,
+        call.path,
+        headers=dict(call.headers),
+        params=dict(call.params),
+        json=call.json,
+        timeout=httpx.USE_CLIENT_DEFAULT if call.timeout is None else call.timeout,
+    )
+
+
+def drive(
+    steps: p.Steps[T], http: httpx.Client, sleep: Callable[[float], None]
+) -> Generator[StatusBody, None, T]:
+    """Perform ``steps``' effects with blocking I/O; yields what they emit, returns their
+    result. Any stream still open is closed when this ends, however it ends."""
+    stream: httpx.Response | None = None
+    chunks: Iterator[bytes] | None = None
+    answer: Any = None
+    failure: BaseException | None = None
+
+    def close_stream() -> None:
+        nonlocal stream, chunks
+        if stream is not None:
+            stream.close()
+        stream, chunks = None, None
+
     try:
-        problem = response.json()
-    except ValueError:
-        problem = {}
-    code = str(problem.get("code", "http_error"))
-    detail = str(problem.get("detail", response.reason_phrase))
-    status = response.status_code
-    if status == 401:
-        raise AuthenticationError(status, code, detail)
-    if status == 403:
-        raise PermissionDeniedError(status, code, detail)
-    if status == 409:
-        raise ConflictError(status, code, detail)
-    if status == 429:
-        retry_after = float(response.headers.get("retry-after", "1") or 1)
-        raise RateLimitError(status, code, detail, retry_after)
-    raise APIStatusError(status, code, detail)
+        while True:
+            try:
+                effect = steps.throw(failure) if failure is not None else steps.send(answer)
+            except StopIteration as done:
+                result: T = done.value
+                return result
+            answer, failure = None, None
+            try:
+                if isinstance(effect, p.Emit):
+                    yield effect.body
+                elif isinstance(effect, p.Sleep):
+                    sleep(effect.seconds)
+                elif isinstance(effect, p.Call):
+                    answer = http.send(_build(http, effect))
+                elif isinstance(effect, p.OpenStream):
+                    close_stream()
+                    response = http.send(_build(http, effect.call), stream=True)
+                    if p.wants_body(response):
+                        try:
+                            response.read()
+                        finally:
+                            response.close()
+                    else:
+                        stream, chunks = response, response.iter_bytes()
+                    answer = response
+                elif isinstance(effect, p.Receive):
+                    assert chunks is not None, "Receive without an open stream"
+                    answer = next(chunks, b"")
+                elif isinstance(effect, p.CloseStream):
+                    close_stream()
+            except httpx.HTTPError as exc:
+                failure = exc
+    finally:
+        close_stream()
+        steps.close()
 
 
-def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str]:
-    url = base_url or os.environ.get("IVY_API_URL") or DEFAULT_URL
-    key = api_key or os.environ.get("IVY_API_KEY")
-    if not key:
-        raise IvySandboxClientError("no API key: pass api_key= or set IVY_API_KEY")
-    return url.rstrip("/"), key
+def run(steps: p.Steps[T], http: httpx.Client, sleep: Callable[[float], None]) -> T:
+    """Run steps that emit nothing (plain requests) to their result."""
+    driven = drive(steps, http, sleep)
+    with closing(driven):
+        while True:
+            try:
+                next(driven)
+            except StopIteration as done:
+                result: T = done.value
+                return result
 
 
-def sandbox_path(chat_id: str, suffix: str = "") -> str:
-    return f"/v1/sandbox/{quote(chat_id, safe='')}{suffix}"
+class SyncSandbox:
+    """``client.sandbox``: the sandbox of a chat."""
 
-
-class SandboxAPI:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def status(self, chat_id: str) -> Body:
-        return self._client.request("GET", sandbox_path(chat_id, "/status"))
+    def _run(self, steps: p.Steps[T]) -> T:
+        return run(steps, self._client._http, self._client._sleep)
 
-    def get(self, chat_id: str) -> Body:
-        return self._client.request("GET", sandbox_path(chat_id))
+    def status(self, chat_id: str) -> StatusBody:
+        """The status body (``GET /v1/sandbox/{chatId}/status``)."""
+        return self._run(p.status(chat_id))
 
-    def launch(self, chat_id: str) -> Body:
-        return self._client.request("POST", sandbox_path(chat_id))
+    def get(self, chat_id: str) -> SandboxDetail:
+        """The full record: status fields, ``errorCode``, phase timeline, times, queueing."""
+        return self._run(p.detail(chat_id))
 
-    def stop(self, chat_id: str) -> Body:
-        return self._client.request("DELETE", sandbox_path(chat_id))
+    def launch(self, chat_id: str) -> StatusBody:
+        """Launch (idempotent while provisioning or active); returns at once with the status."""
+        return self._run(p.launch(chat_id))
 
-    def keep_alive(self, chat_id: str) -> Body:
-        return self._client.request("POST", sandbox_path(chat_id, "/keepalive"))
+    def stop(self, chat_id: str) -> StatusBody:
+        """Stop from any state (the workspace is kept); returns ``{"status": "none"}``."""
+        return self._run(p.stop(chat_id))
+
+    def keep_alive(self, chat_id: str) -> StatusBody:
+        """Count as activity, so the sandbox is not reaped as idle."""
+        return self._run(p.keep_alive(chat_id))
 
     def exec(
         self,
         chat_id: str,
         command: Sequence[str],
         *,
-        timeout_seconds: float = 60.0,
-        cwd: str = "/workspace",
+        timeout_seconds: float | None = None,
+        cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: str = "",
-    ) -> Body:
-        body = {
-            "command": list(command),
-            "timeoutSeconds": timeout_seconds,
-            "cwd": cwd,
-            "env": dict(env or {}),
-            "stdin": stdin,
-        }
-        return self._client.request(
-            "POST", sandbox_path(chat_id, "/exec"), json=body, timeout=timeout_seconds + 30
+        stdin: str | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in the active sandbox (server defaults: 60 s, ``/workspace``);
+        raises :class:`ConflictError` unless it is active."""
+        steps = p.exec_command(
+            chat_id, command, timeout_seconds=timeout_seconds, cwd=cwd, env=env, stdin=stdin
         )
+        return self._run(steps)
+
+    def events(self, chat_id: str) -> Iterator[StatusBody]:
+        """Status bodies from the event stream: the current one, then one per change; ends
+        after ``active``, ``failed`` or ``none``. One connection, no fallback (see
+        :meth:`wait_until_ready` for that)."""
+        return drive(p.events(chat_id), self._client._http, self._client._sleep)
 
     def wait_until_ready(
         self,
         chat_id: str,
         *,
         timeout: float = 300.0,
-        on_progress: Callable[[Body], None] | None = None,
-    ) -> Body:
-        """Poll the status (once a second, honouring Retry-After) until the sandbox is active.
+        on_progress: Callable[[StatusBody], object] | None = None,
+    ) -> StatusBody:
+        """Wait until the sandbox is ``active`` and return that status body.
 
-        Raises SandboxFailedError when it fails, TimeoutError after ``timeout`` seconds, and
-        IvySandboxClientError if the chat has no sandbox (launch it first).
+        Watches the event stream, else long-polls, else polls once a second; ``on_progress``
+        is called with every status body that is news (a change of status, phase or error —
+        the first one included; count ``etaSeconds`` down yourself between calls).
+
+        Raises :class:`SandboxFailedError` (with ``error_code``) if it fails,
+        :class:`NoSandboxError` if the chat has no sandbox, :class:`TimeoutError` after
+        ``timeout`` seconds, and :class:`RateLimitError` for a 429 it cannot wait out.
         """
-        deadline = time.monotonic() + timeout
-        last: Body | None = None
-        while True:
-            try:
-                body = self.status(chat_id)
-            except RateLimitError as limited:
-                self._client.sleep(min(limited.retry_after, max(0.0, deadline - time.monotonic())))
-                body = last or {}
-            if body and body != last and on_progress is not None:
-                on_progress(body)
-            last = body or last
-            state = body.get("status")
-            if state == "active":
-                return body
-            if state == "failed":
-                detail = self.get(chat_id)
-                raise SandboxFailedError(detail.get("errorCode"), str(body.get("errorMessage", "")))
-            if state == "none":
-                raise IvySandboxClientError(f"chat {chat_id} has no sandbox; launch it first")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"sandbox for {chat_id} not ready after {timeout:g} s")
-            self._client.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        steps = p.wait_until_ready(chat_id, timeout=timeout, clock=self._client._clock)
+        driven = drive(steps, self._client._http, self._client._sleep)
+        with closing(driven):
+            while True:
+                try:
+                    body = next(driven)
+                except StopIteration as done:
+                    ready: StatusBody = done.value
+                    return ready
+                if on_progress is not None:
+                    on_progress(body)
 
 
 class Client:
-    """A synchronous client. ``transport`` lets tests run against the app in-process."""
+    """A synchronous client of the ivy-sandbox API.
+
+    ``base_url`` and ``api_key`` default to ``IVY_API_URL`` (else ``http://127.0.0.1:8000``) and
+    ``IVY_API_KEY``. ``transport`` is any ``httpx.BaseTransport`` (tests pass one that reaches
+    the app in-process); ``timeout`` is the default per-request timeout in seconds.
+    """
 
     def __init__(
         self,
@@ -150,25 +192,19 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         timeout: float = 30.0,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        url, key = resolve_config(base_url, api_key)
+        url, key = p.resolve_config(base_url, api_key)
         self._http = httpx.Client(
-            base_url=url,
-            headers={"Authorization": f"Bearer {key}", "User-Agent": "ivy-sandbox-python"},
-            transport=transport,
-            timeout=timeout,
+            base_url=url, headers=p.default_headers(key), transport=transport, timeout=timeout
         )
-        self.sleep = sleep
-        self.sandbox = SandboxAPI(self)
+        self._sleep = sleep
+        self._clock = clock
+        self.sandbox = SyncSandbox(self)
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Body:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise IvySandboxClientError(f"cannot reach {self._http.base_url}: {exc}") from exc
-        raise_for_problem(response)
-        body: Body = response.json()
-        return body
+    @property
+    def base_url(self) -> str:
+        return str(self._http.base_url).rstrip("/")
 
     def close(self) -> None:
         self._http.close()
