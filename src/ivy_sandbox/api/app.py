@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 
 import ivy_sandbox
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
@@ -50,9 +52,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         routes=app.routes,
     )
     schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
-    for path_item in schema.get("paths", {}).values():
+    for path, path_item in schema.get("paths", {}).items():
         for operation in path_item.values():
-            operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
+            # The API needs a credential; the operator endpoints (/healthz, …) do not.
+            needs_auth = path.startswith(API_PREFIX + "/")
+            operation["security"] = [{name: []} for name in SECURITY_SCHEMES] if needs_auth else []
             responses = operation.get("responses", {})
             if responses.get("422", {}).get("description") == "Validation Error":
                 responses.pop("422")  # FastAPI's generic one; documented 422s stay
@@ -62,6 +66,44 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         schemas.pop(unused, None)
     app.openapi_schema = schema
     return schema
+
+
+def _mounted_routers() -> list[tuple[str, APIRouter]]:
+    return [
+        (prefix, router)
+        for router in (sandboxes.router, accounts.router)
+        for prefix in (API_PREFIX, ALIAS_PREFIX)
+    ] + [("", health.router)]
+
+
+MOUNTED_ROUTERS = _mounted_routers()
+
+
+def allowed_methods_of(mounted: list[tuple[str, APIRouter]]) -> Callable[[str], list[str]]:
+    """path → every method some route serves it with (for ``Allow`` on a 405)."""
+
+    def allowed(path: str) -> list[str]:
+        # Every route whose template matches, keeping the most specific templates only:
+        # /sandbox/{chatId}/status also matches /sandbox/{chatId} (any chatId text), but the
+        # documented resource is the one with the longer literal part.
+        matches: list[tuple[int, set[str]]] = []
+        for prefix, router in mounted:
+            if not path.startswith(prefix):
+                continue
+            rest = path[len(prefix) :]
+            for route in router.routes:
+                if isinstance(route, APIRoute) and route.path_regex.match(rest):
+                    literal = len(re.sub(r"\{[^}]*\}", "", route.path_format))
+                    matches.append((literal, set(route.methods or ())))
+        if not matches:
+            return []
+        best = max(literal for literal, _ in matches)
+        methods = set().union(*(m for literal, m in matches if literal == best))
+        if "GET" in methods:
+            methods.add("HEAD")
+        return sorted(methods)
+
+    return allowed
 
 
 def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
@@ -94,7 +136,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(accounts.router, prefix=API_PREFIX)
     app.include_router(accounts.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     app.include_router(health.router)
-    install_error_handlers(app)
+    install_error_handlers(app, allowed_methods_of(MOUNTED_ROUTERS))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ObservabilityMiddleware)  # outermost: sees every answer

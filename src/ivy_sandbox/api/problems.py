@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,11 +79,30 @@ async def _on_api_error(request: Request, error: Exception) -> Response:
     return api_error_response(error)
 
 
-async def _on_http_exception(_request: Request, error: Exception) -> Response:
-    assert isinstance(error, StarletteHTTPException)
-    code = _GENERIC_CODES.get(error.status_code, "http_error")
-    detail = error.detail if isinstance(error.detail, str) else "Request failed."
-    return problem_response(error.status_code, code, detail, detail, dict(error.headers or {}))
+AllowedMethods = Callable[[str], list[str]]
+
+
+def _http_exception_handler(allowed: AllowedMethods) -> Callable[..., Awaitable[Response]]:
+    async def on_http_exception(request: Request, error: Exception) -> Response:
+        assert isinstance(error, StarletteHTTPException)
+        if error.status_code == 400:
+            # FastAPI's answer to a body it cannot parse as JSON: bad input is a documented 422.
+            return problem_response(
+                422,
+                "invalid_request",
+                "Unprocessable Content",
+                "The request body is not valid JSON.",
+            )
+        code = _GENERIC_CODES.get(error.status_code, "http_error")
+        detail = error.detail if isinstance(error.detail, str) else "Request failed."
+        headers = dict(error.headers or {})
+        if error.status_code == 405:
+            # Starlette names only the first matching route's methods; a resource served by
+            # several routes (GET/POST/DELETE /v1/sandbox/{chatId}) supports all of theirs.
+            headers["Allow"] = ", ".join(allowed(request.url.path)) or headers.get("Allow", "")
+        return problem_response(error.status_code, code, detail, detail, headers)
+
+    return on_http_exception
 
 
 async def _on_validation_error(_request: Request, error: Exception) -> Response:
@@ -110,9 +130,9 @@ async def _on_unexpected(request: Request, _error: Exception) -> Response:
     )
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, allowed_methods: AllowedMethods) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(StarletteHTTPException, _http_exception_handler(allowed_methods))
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     # Connection-level failures only; an IntegrityError is a bug or a conflict, not an outage.
     for db_error in (OperationalError, InterfaceError, PoolTimeoutError, OSError):
