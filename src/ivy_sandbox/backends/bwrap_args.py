@@ -9,15 +9,16 @@ workspace cannot: bwrap resolves every bind source with ``realpath()`` (``--bind
 included, checked with 0.11), so the unprivileged sandbox uid would need search permission
 on every directory above it — which our 0700 data directory (or ``/root``) does not grant.
 As root we therefore *stage* it (:func:`staged_launch`): in a private mount namespace used
-only by this launch, root binds the workspace over ``/tmp`` and only then drops to the
-sandbox uid and runs bwrap, which binds ``/tmp`` at ``/workspace``.
+only by this launch, root binds the workspace over a world-searchable directory (``/tmp``
+unless that would hide something the launch needs — :func:`choose_stage`) and only then
+drops to the sandbox uid and runs bwrap, which binds that directory at ``/workspace``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,9 +58,10 @@ TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 GATE_EXEC = 'read -r go || exit 125; exec "$@"'
 GATE_EXEC_NO_STDIN = 'read -r go || exit 125; exec "$@" </dev/null'
 # Staging (root only), in a fresh private mount namespace: open the workspace first (a bind
-# source must live in the caller's mount namespace, and /tmp may be one of its ancestors),
-# bind it over /tmp, where the sandbox uid can reach it, then drop privileges.
-STAGE = "/tmp"  # noqa: S108 - a mount point in a private mount namespace, not a temp file
+# source must live in the caller's mount namespace, and the stage may be one of its
+# ancestors), bind it over the stage, where the sandbox uid can reach it, drop privileges.
+# Mount points in a private mount namespace, not temp files:
+STAGE_CANDIDATES = ("/tmp", "/mnt", "/media", "/srv", "/var/tmp", "/opt", "/home")  # noqa: S108
 STAGE_SCRIPT = (
     'exec 3<"$0" && {mount} --no-canonicalize --bind /proc/self/fd/3 {stage} '
     '&& exec 3<&- && exec "$@"'
@@ -237,12 +239,27 @@ class Tools:
     setpriv: str = "/usr/bin/setpriv"
 
 
+def choose_stage(
+    needed: Sequence[str],
+    usable: Callable[[str], bool],
+    candidates: Sequence[str] = STAGE_CANDIDATES,
+) -> str | None:
+    """The first candidate directory that ``usable`` accepts (exists, world-searchable) and
+    that is not an ancestor of any ``needed`` path — binding over it must not hide bwrap or
+    the tools the launch runs after the bind (a venv under /tmp, say). None if none fits."""
+    for candidate in candidates:
+        inside = candidate.rstrip("/") + "/"
+        if usable(candidate) and not any(path.startswith(inside) for path in needed):
+            return candidate
+    return None
+
+
 def staged_launch(
-    argv: Sequence[str], *, workspace: str, uid: int, gid: int, tools: Tools
+    argv: Sequence[str], *, workspace: str, stage: str, uid: int, gid: int, tools: Tools
 ) -> list[str]:
-    """Root: stage the workspace at STAGE (see the module docstring), then become ``uid``
+    """Root: stage the workspace at ``stage`` (see the module docstring), then become ``uid``
     with no groups, no capabilities (bounding set included) and no_new_privs, then ``argv``."""
-    script = STAGE_SCRIPT.format(mount=tools.mount, stage=STAGE)
+    script = STAGE_SCRIPT.format(mount=tools.mount, stage=stage)
     drop = [tools.setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
     drop += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     unshare = [tools.unshare, "--mount", "--propagation", "private", "--"]
