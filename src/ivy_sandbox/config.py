@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     exec_max_timeout: float = Field(default=3600.0, gt=0)
     max_request_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     log_format: Literal["json", "text"] = "json"
+    # One line per request costs ~30 % of the hot path's throughput; /metrics counts
+    # requests anyway, and errors are logged with their request id either way.
+    access_log: bool = False
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     metrics_token: str | None = Field(default=None, repr=False)
     run_worker: bool = True  # serve drives launches in-process; false when using `worker`

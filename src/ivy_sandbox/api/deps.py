@@ -12,7 +12,8 @@ from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.errors import AuthenticationFailed
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    # async: FastAPI runs a plain `def` dependency in its threadpool, on every request.
     services: Services = request.app.state.services
     return services
 
@@ -30,7 +31,7 @@ async def current_principal(request: Request) -> Principal:
     ``IVY_AUTH_FAILURE_LIMIT``, its failures are answered 429 instead of 401 (valid
     credentials from the same address keep working).
     """
-    services = get_services(request)
+    services: Services = request.app.state.services
     headers = request.headers
     try:
         credential = extract_credential(
@@ -50,7 +51,8 @@ async def reauthenticate(request: Request) -> Principal:
     credential = extract_credential(
         headers.get("authorization"), headers.get("x-ivy-api-key"), headers.get("cookie")
     )
-    return await get_services(request).authenticator.authenticate(credential)
+    services: Services = request.app.state.services
+    return await services.authenticator.authenticate(credential)
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]

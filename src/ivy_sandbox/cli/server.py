@@ -37,6 +37,7 @@ def serve(
         host=host,
         port=port,
         log_config=None,
+        access_log=settings.access_log,
         log_level=settings.log_level.lower(),
     )
 

@@ -87,7 +87,9 @@ def remaining_eta(snapshot: SandboxSnapshot, now: datetime) -> int | None:
     if snapshot.status is not SandboxStatus.PROVISIONING or snapshot.eta_seconds is None:
         return None
     elapsed = (now - snapshot.phase_started_at).total_seconds()
-    return max(0, math.ceil(snapshot.eta_seconds - max(0.0, elapsed)))
+    # Nearest whole second (half up): ceil would overstate every estimate by half a second
+    # on average, a large error for launches that take a few seconds.
+    return max(0, math.floor(snapshot.eta_seconds - max(0.0, elapsed) + 0.5))
 
 
 def status_body(snapshot: SandboxSnapshot | None, now: datetime) -> StatusBody:

@@ -154,6 +154,9 @@ class LaunchDriver:
             if await self.sandboxes.admit(
                 self.record, self.owner, now, self.settings.max_sandboxes, eta
             ):
+                # The next launch in line may have been waiting only for this one (FIFO):
+                # wake the waiters now rather than at their next poll.
+                self.capacity_freed.set()
                 await self._reload()
                 return
             if not announced_wait:  # queued: the ETA is unknown until a slot frees
