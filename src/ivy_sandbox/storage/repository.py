@@ -5,6 +5,7 @@ Services depend on these methods, never on SQL. Each method is one short transac
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,6 +20,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus
 from ivy_sandbox.errors import Conflict, NotFound
+from ivy_sandbox.storage.engine import sqlite_path
+from ivy_sandbox.storage.sqlite_reads import NO_CHAT, SqliteStatusReader
 from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
@@ -83,6 +86,9 @@ _ACCESS_QUERY = select(
 class Repository:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        path = sqlite_path(str(engine.url))
+        # SQLite: the hot read runs on the loop's thread (see sqlite_reads for why).
+        self._fast = SqliteStatusReader(path) if path and os.path.exists(path) else None
 
     async def ping(self) -> None:
         """One round trip to the database (readiness)."""
@@ -97,6 +103,12 @@ class Repository:
 
         ``None`` when any condition fails; the caller cannot tell which (no oracle).
         """
+        if self._fast is not None:
+            found = self._fast.chat_sandbox(chat_id, user_id, project_id)
+            if found is NO_CHAT:
+                return None
+            assert found is None or isinstance(found, SandboxSnapshot)
+            return ChatAccess(sandbox=found)
         condition = and_(chats.c.id == chat_id, chats.c.user_id == user_id)
         if project_id is not None:
             condition = and_(condition, chats.c.project_id == project_id)
