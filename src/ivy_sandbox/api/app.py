@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 import ivy_sandbox
+from ivy_sandbox.api.fast_status import FastStatusMiddleware
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
 from ivy_sandbox.api.observability import ObservabilityMiddleware
 from ivy_sandbox.api.problems import install_error_handlers
@@ -137,6 +138,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(accounts.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     app.include_router(health.router)
     install_error_handlers(app, allowed_methods_of(MOUNTED_ROUTERS))
+    app.add_middleware(FastStatusMiddleware)  # innermost: the plain status poll
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ObservabilityMiddleware)  # outermost: sees every answer

@@ -24,25 +24,38 @@ def client_ip(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-async def current_principal(request: Request) -> Principal:
-    """Authenticate the request and charge the caller's per-user rate limit.
+async def authenticate_caller(
+    services: Services,
+    authorization: str | None,
+    api_key: str | None,
+    cookie: str | None,
+    ip: str,
+) -> Principal:
+    """Authenticate a caller and charge its per-user rate limit.
 
     A failed authentication is counted against the client's IP; once that IP is over
     ``IVY_AUTH_FAILURE_LIMIT``, its failures are answered 429 instead of 401 (valid
     credentials from the same address keep working).
     """
-    services: Services = request.app.state.services
-    headers = request.headers
     try:
-        credential = extract_credential(
-            headers.get("authorization"), headers.get("x-ivy-api-key"), headers.get("cookie")
-        )
+        credential = extract_credential(authorization, api_key, cookie)
         principal = await services.authenticator.authenticate(credential)
     except AuthenticationFailed:
-        await services.limiter.record_auth_failure(client_ip(request))
+        await services.limiter.record_auth_failure(ip)
         raise
     await services.limiter.check_user(principal.rate_limit_key)
     return principal
+
+
+async def current_principal(request: Request) -> Principal:
+    headers = request.headers
+    return await authenticate_caller(
+        request.app.state.services,
+        headers.get("authorization"),
+        headers.get("x-ivy-api-key"),
+        headers.get("cookie"),
+        client_ip(request),
+    )
 
 
 async def reauthenticate(request: Request) -> Principal:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -68,15 +69,7 @@ def api_error_response(error: ApiError) -> Response:
 
 async def _on_api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, ApiError)
-    log.info(
-        "%s %s -> %d %s: %s",
-        request.method,
-        request.url.path,
-        error.status_code,
-        error.code,
-        error.log_message,
-    )
-    return api_error_response(error)
+    return logged_api_error_response(request.method, request.url.path, error)
 
 
 AllowedMethods = Callable[[str], list[str]]
@@ -113,14 +106,28 @@ async def _on_validation_error(_request: Request, error: Exception) -> Response:
     )
 
 
-async def _on_database_error(request: Request, error: Exception) -> Response:
-    log.error(
-        "database unavailable during %s %s: %s",
-        request.method,
-        request.url.path,
-        type(error).__name__,
-    )
+# Connection-level failures only; an IntegrityError is a bug or a conflict, not an outage.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (
+    OperationalError,
+    InterfaceError,
+    PoolTimeoutError,
+    OSError,
+    sqlite3.OperationalError,  # the SQLite fast read (storage.sqlite_reads)
+)
+
+
+def logged_api_error_response(method: str, path: str, error: ApiError) -> Response:
+    log.info("%s %s -> %d %s: %s", method, path, error.status_code, error.code, error.log_message)
+    return api_error_response(error)
+
+
+def database_error_response(method: str, path: str, error: Exception) -> Response:
+    log.error("database unavailable during %s %s: %s", method, path, type(error).__name__)
     return api_error_response(ServiceUnavailable("database unavailable"))
+
+
+async def _on_database_error(request: Request, error: Exception) -> Response:
+    return database_error_response(request.method, request.url.path, error)
 
 
 async def _on_unexpected(request: Request, _error: Exception) -> Response:
@@ -134,7 +141,6 @@ def install_error_handlers(app: FastAPI, allowed_methods: AllowedMethods) -> Non
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler(allowed_methods))
     app.add_exception_handler(RequestValidationError, _on_validation_error)
-    # Connection-level failures only; an IntegrityError is a bug or a conflict, not an outage.
-    for db_error in (OperationalError, InterfaceError, PoolTimeoutError, OSError):
+    for db_error in DATABASE_ERRORS:
         app.add_exception_handler(db_error, _on_database_error)
     app.add_exception_handler(Exception, _on_unexpected)
