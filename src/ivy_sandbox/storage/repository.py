@@ -130,6 +130,9 @@ class Repository:
         )
 
     async def api_key(self, kid: str) -> ApiKeyRecord | None:
+        if self._fast is not None:
+            values = self._fast.api_key_row(kid)
+            return None if values is None else ApiKeyRecord(**values)
         async with self.engine.connect() as conn:
             row = (await conn.execute(select(api_keys).where(api_keys.c.id == kid))).first()
         return None if row is None else ApiKeyRecord(**row._mapping)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 from datetime import UTC, datetime
+from typing import Any
 
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus
 
@@ -26,6 +27,20 @@ _SQL = (
     " WHERE c.id = ? AND c.user_id = ?"
 )
 _SCOPED_SQL = _SQL + " AND c.project_id = ?"
+_KEY_COLUMNS = (
+    "id",
+    "user_id",
+    "project_id",
+    "name",
+    "secret_hash",
+    "created_at",
+    "expires_at",
+    "revoked_at",
+    "last_used_at",
+)
+_KEY_TIMES = ("created_at", "expires_at", "revoked_at", "last_used_at")
+# The key cache refills every 5 s per key: on the same cheap path as the status read.
+_KEY_SQL = f"SELECT {', '.join(_KEY_COLUMNS)} FROM api_keys WHERE id = ?"  # noqa: S608 - constants
 BUSY_TIMEOUT_MS = 200
 
 NO_CHAT = object()  # the chat is not visible to this principal
@@ -64,6 +79,18 @@ class SqliteStatusReader:
             eta_seconds=eta_seconds,
             error_message=error_message,
         )
+
+    def api_key_row(self, kid: str) -> dict[str, Any] | None:
+        """The api_keys row of ``kid`` as column → value (times as aware UTC), or None."""
+        cursor = self._connection.execute(_KEY_SQL, (kid,))
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        values = dict(zip(_KEY_COLUMNS, row, strict=True))
+        for column in _KEY_TIMES:
+            if values[column] is not None:
+                values[column] = _utc(values[column])
+        return values
 
     def close(self) -> None:
         self._connection.close()
