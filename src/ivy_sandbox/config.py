@@ -87,6 +87,7 @@ class Settings(BaseSettings):
     exec_output_limit: int = Field(default=1024 * 1024, ge=1024)
     exec_max_timeout: float = Field(default=3600.0, gt=0)
     max_request_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(default=16 * 1024, ge=4096)
     log_format: Literal["json", "text"] = "json"
     # One line per request costs ~30 % of the hot path's throughput; /metrics counts
     # requests anyway, and errors are logged with their request id either way.

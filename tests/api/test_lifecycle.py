@@ -371,3 +371,14 @@ async def test_an_unexpected_backend_error_fails_the_launch_instead_of_stranding
     assert "a bug" not in body["errorMessage"]  # internals stay in the log
     assert (await api("GET")).json()["errorCode"] == "internal_error"
     assert backend.running == {}
+
+
+async def test_oversized_headers_get_431_with_a_problem_body(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    headers = {"X-Ivy-Api-Key": key, "Cookie": "a=" + "x" * 20_000}
+    response = await client.get(f"/v1/sandbox/{chat}/status", headers=headers)
+    assert response.status_code == 431
+    assert response.json()["code"] == "headers_too_large"
+    assert response.headers["cache-control"] == "no-store"

@@ -139,7 +139,11 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(health.router)
     install_error_handlers(app, allowed_methods_of(MOUNTED_ROUTERS))
     app.add_middleware(FastStatusMiddleware)  # innermost: the plain status poll
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        max_header_bytes=settings.max_header_bytes,
+    )
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ObservabilityMiddleware)  # outermost: sees every answer
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

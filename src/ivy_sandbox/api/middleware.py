@@ -39,19 +39,25 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """Refuse request bodies over ``max_bytes`` with 413, before they are buffered whole.
+    """Refuse request bodies over ``max_bytes`` with 413, before they are buffered whole,
+    and header sections over ``max_header_bytes`` with 431.
 
     A declared Content-Length over the limit is refused at once; a chunked body is counted
     as it streams and refused as soon as it passes the limit.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = 16 * 1024) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        # uvicorn accepts headers of any size; a megabyte of cookie is refused here (431).
+        if sum(len(name) + len(value) for name, value in scope["headers"]) > self.max_header_bytes:
+            await self._refuse(send, 431)
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
@@ -80,19 +86,27 @@ class BodyLimitMiddleware:
             if not started:
                 await self._refuse(send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, status: int = 413) -> None:
         from ivy_sandbox.api.problems import problem_response
 
-        response = problem_response(
-            413,
-            "payload_too_large",
-            "Content Too Large",
-            f"The request body is larger than {self.max_bytes} bytes.",
-        )
+        if status == 431:
+            response = problem_response(
+                431,
+                "headers_too_large",
+                "Request Header Fields Too Large",
+                f"The request headers are larger than {self.max_header_bytes} bytes.",
+            )
+        else:
+            response = problem_response(
+                413,
+                "payload_too_large",
+                "Content Too Large",
+                f"The request body is larger than {self.max_bytes} bytes.",
+            )
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     *response.raw_headers,
                     *SECURITY_HEADERS,
