@@ -87,7 +87,7 @@ class Services:
         await self.backend.aclose()
         await self.clerk.aclose()
         await self.limiter.aclose()
-        await self.repository.engine.dispose()
+        await self.repository.dispose()
 
 
 def _no_worker() -> None:
@@ -149,7 +149,7 @@ async def preflight(settings: Settings) -> None:
     api_key_pepper(settings)
     await clerk_verifier(settings).aclose()
     repository = await open_repository(settings)
-    await repository.engine.dispose()
+    await repository.dispose()
 
 
 async def build_services(

@@ -39,7 +39,7 @@ def run_with_repository(settings: Settings, use_case: Callable[[Repository], Awa
         try:
             return await use_case(repository)
         finally:
-            await repository.engine.dispose()
+            await repository.dispose()
 
     return run_or_fail(main())
 

@@ -84,6 +84,6 @@ def worker() -> None:
             await provisioner.run_forever()
         finally:
             await backend.aclose()
-            await repository.engine.dispose()
+            await repository.dispose()
 
     run_or_fail(main())

@@ -90,6 +90,13 @@ class Repository:
         # SQLite: the hot read runs on the loop's thread (see sqlite_reads for why).
         self._fast = SqliteStatusReader(path) if path and os.path.exists(path) else None
 
+    async def dispose(self) -> None:
+        """Close the SQLite fast reader (if any) and the engine's pool."""
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+        await self.engine.dispose()
+
     async def ping(self) -> None:
         """One round trip to the database (readiness)."""
         async with self.engine.connect() as conn:
