@@ -23,6 +23,7 @@ from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
+from ivy_sandbox.domain.ids import is_acceptable_id
 from ivy_sandbox.errors import RateLimited, RateLimitState
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class RateLimiter:
         await self._hit(self.user, "u", user_id)
 
     async def check_chat(self, user_id: str, chat_id: str) -> None:
-        await self._hit(self.chat, "c", user_id, chat_id)
+        # Malformed ids share one counter, so junk cannot grow the limiter's key space.
+        await self._hit(self.chat, "c", user_id, chat_id if is_acceptable_id(chat_id) else "~")
 
     async def check_launch(self, user_id: str) -> None:
         """Launches start real processes: a smaller budget on top of the per-user one."""

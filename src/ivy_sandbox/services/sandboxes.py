@@ -60,8 +60,7 @@ async def authorize_chat(repository: Repository, principal: Principal, chat_id: 
 
 
 async def _checked_chat(ctx: SandboxContext, principal: Principal, chat_id: str) -> ChatAccess:
-    # Malformed ids share one counter, so junk cannot grow the limiter's key space.
-    await ctx.limiter.check_chat(principal.user_id, chat_id if is_acceptable_id(chat_id) else "~")
+    await ctx.limiter.check_chat(principal.user_id, chat_id)
     return await authorize_chat(ctx.repository, principal, chat_id)
 
 
@@ -73,7 +72,7 @@ async def get_status(
     limiter: RateLimiter,
     clock: Clock,
 ) -> StatusBody:
-    await limiter.check_chat(principal.user_id, chat_id if is_acceptable_id(chat_id) else "~")
+    await limiter.check_chat(principal.user_id, chat_id)
     access = await authorize_chat(repository, principal, chat_id)
     return status_body(access.sandbox, clock.now())
 

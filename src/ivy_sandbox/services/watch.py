@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from ivy_sandbox.auth.principal import Principal
-from ivy_sandbox.domain.ids import is_acceptable_id
 from ivy_sandbox.domain.sandbox import SandboxSnapshot, StatusBody, rfc3339, status_body
 from ivy_sandbox.errors import AuthenticationFailed, PermissionDenied
 from ivy_sandbox.events import EventBus
@@ -43,9 +42,7 @@ class Watching:
 
     async def charge(self, principal: Principal, chat_id: str) -> None:
         """A watch costs one request against the per-chat limit, like a status poll."""
-        await self.limiter.check_chat(
-            principal.user_id, chat_id if is_acceptable_id(chat_id) else "~"
-        )
+        await self.limiter.check_chat(principal.user_id, chat_id)
 
 
 def state_token(snapshot: SandboxSnapshot | None) -> str:
