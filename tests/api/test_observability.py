@@ -165,13 +165,18 @@ class TestLaunchMetrics:
         key, chat = await world.key(), await world.chat()
         before = (await client.get("/metrics")).text
         await client.post(f"/v1/sandbox/{chat}", headers={"X-Ivy-Api-Key": key})
+        launched = {"outcome": "active", "error_code": ""}
+        # The worker counts the launch just after committing `active`, so a client can see
+        # `active` a moment before the counter moves: wait for both.
         for _ in range(200):
             status = await client.get(f"/v1/sandbox/{chat}/status", headers={"X-Ivy-Api-Key": key})
-            if status.json()["status"] == "active":
+            after = (await client.get("/metrics")).text
+            counted = metric(after, "ivy_launches_total", **launched) > metric(
+                before, "ivy_launches_total", **launched
+            )
+            if status.json()["status"] == "active" and counted:
                 break
             await asyncio.sleep(0.01)
-        after = (await client.get("/metrics")).text
-        launched = {"outcome": "active", "error_code": ""}
         assert (
             metric(after, "ivy_launches_total", **launched)
             - metric(before, "ivy_launches_total", **launched)
