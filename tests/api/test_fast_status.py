@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import World
+from conftest import World, metric
+from ivy_sandbox.bootstrap import Services
 
 
 async def both(
@@ -95,3 +96,61 @@ async def test_ids_with_slashes_and_long_polls_still_reach_the_route(
     )
     assert long_poll.headers["preference-applied"] == "wait=0"
     assert long_poll.headers["etag"]
+
+
+async def test_the_fast_path_keeps_a_sane_request_id_and_makes_one_otherwise(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    path, auth = f"/v1/sandbox/{chat}/status", {"X-Ivy-Api-Key": key}
+    kept = await client.get(path, headers=auth | {"X-Request-Id": "trace-1.a"})
+    assert kept.headers["x-request-id"] == "trace-1.a"
+    made = await client.get(path, headers=auth | {"X-Request-Id": "bad id!"})
+    assert made.headers["x-request-id"] not in ("bad id!", "")
+    refused = await client.get(path)
+    assert refused.status_code == 401
+    assert refused.headers["x-request-id"]
+    assert "preference-applied" not in made.headers  # it was the fast path that answered
+
+
+async def test_the_fast_path_counts_requests_by_route_template_and_code(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    labels = {"route": "/v1/sandbox/{chatId}/status", "method": "GET"}
+    before = (await client.get("/metrics")).text
+    await client.get(f"/v1/sandbox/{chat}/status", headers={"X-Ivy-Api-Key": key})
+    await client.get(f"/v1/sandbox/{chat}/status")
+    after = (await client.get("/metrics")).text
+    for code in ("200", "401"):
+        counted = metric(after, "ivy_http_requests_total", code=code, **labels)
+        assert counted - metric(before, "ivy_http_requests_total", code=code, **labels) == 1
+    assert chat not in after  # chat ids never become label values
+
+
+async def test_oversized_headers_and_bodies_on_a_poll_get_the_middlewares_answers(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    path, auth = f"/v1/sandbox/{chat}/status", {"X-Ivy-Api-Key": key}
+    huge = await client.get(path, headers=auth | {"X-Filler": "x" * 20_000})
+    assert huge.status_code == 431
+    assert huge.json()["code"] == "headers_too_large"
+    with_body = await client.request("GET", path, headers=auth, content=b"x" * 3_000_000)
+    assert with_body.status_code == 413
+
+
+async def test_a_bug_behind_the_fast_path_is_a_plain_500_problem(
+    client: httpx.AsyncClient, world: World, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, chat = await world.key(), await world.chat()
+
+    async def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(services.repository, "chat_access", broken)
+    answer = await client.get(f"/v1/sandbox/{chat}/status", headers={"X-Ivy-Api-Key": key})
+    assert answer.status_code == 500
+    assert answer.json()["code"] == "internal_error"
+    assert "a bug" not in answer.text
+    assert answer.headers["cache-control"] == "no-store"

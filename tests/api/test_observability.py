@@ -10,26 +10,12 @@ import re
 import httpx
 import pytest
 
-from conftest import World
+from conftest import World, metric
 from fakes import WallClock
 from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
 from ivy_sandbox.storage.engine import create_engine
 from ivy_sandbox.storage.repository import Repository
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0 when absent)."""
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        match = re.match(r"^([a-z_]+)(\{.*\})? (\S+)$", line)
-        if match is None or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(3))
-    return 0.0
 
 
 async def test_healthz_answers_without_credentials(client: httpx.AsyncClient) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 import ivy_sandbox
-from ivy_sandbox.api.fast_status import FastStatusMiddleware
+from ivy_sandbox.api.fast_status import FastStatus
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
 from ivy_sandbox.api.observability import ObservabilityMiddleware
 from ivy_sandbox.api.problems import install_error_handlers
@@ -107,6 +108,23 @@ def allowed_methods_of(mounted: list[tuple[str, APIRouter]]) -> Callable[[str], 
     return allowed
 
 
+class IvyApp(FastAPI):
+    """FastAPI, with the plain status poll answered in front of its stack (see fast_status)."""
+
+    fast_status: FastStatus | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_status
+        if (
+            fast is not None
+            and scope["type"] == "http"
+            and scope["method"] == "GET"
+            and await fast.answer(scope, send, self.state.services)
+        ):
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     """Build the app. ``services`` lets tests inject pre-built collaborators."""
 
@@ -123,7 +141,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             if owned:
                 await app.state.services.aclose()
 
-    app = FastAPI(
+    app = IvyApp(
         title="ivy-sandbox",
         version=ivy_sandbox.__version__,
         lifespan=lifespan,
@@ -138,7 +156,6 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.include_router(accounts.router, prefix=ALIAS_PREFIX, include_in_schema=False)
     app.include_router(health.router)
     install_error_handlers(app, allowed_methods_of(MOUNTED_ROUTERS))
-    app.add_middleware(FastStatusMiddleware)  # innermost: the plain status poll
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_request_bytes,
@@ -147,4 +164,5 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app.add_middleware(SecurityHeadersMiddleware)
     app.add_middleware(ObservabilityMiddleware)  # outermost: sees every answer
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.fast_status = FastStatus(settings.max_header_bytes)
     return app

@@ -1,77 +1,101 @@
-"""The seed endpoint's hot path, answered below FastAPI's routing and dependency machinery.
+"""The seed endpoint's hot path, answered in front of FastAPI's whole stack.
 
 `GET /v1/sandbox/{chatId}/status` is polled once a second by every launching client, so its
 cost is the service's cost. Profiling showed FastAPI's per-request work (routing through
 included routers, dependency resolution, parameter validation) costing more than the
-authentication, rate limiting and database read together. This ASGI layer answers the
-plain poll itself — same authentication (``deps.authenticate_caller``), same use case
-(``services.sandboxes.get_status``), same error mapping (``problems``) — and hands
-everything else to FastAPI: long-polls (a ``Prefer`` header), ids containing ``/``, other
-methods and paths. The FastAPI route stays the documented, canonical one; tests run the
-same contract against both (tests/api/test_fast_status.py).
+authentication, rate limiting and database read together; and, once that was bypassed, the
+middleware layers (Starlette's error middleware, FastAPI's, ours for request ids, security
+headers and body limits: one ``send`` wrapper each) costing about a fifth of what was left.
+
+So :class:`FastStatus` is called by the app itself (``IvyApp.__call__``) before any of that,
+and does for the plain poll exactly what the full stack would: the same authentication
+(``deps.authenticate_caller``), use case (``services.sandboxes.get_status``) and error
+mapping (``problems``); the same request id, security headers and metrics as
+``ObservabilityMiddleware`` and ``SecurityHeadersMiddleware``. Anything else goes to
+FastAPI: long-polls (a ``Prefer`` header), ids containing ``/``, other methods and paths,
+requests carrying a body or oversized headers (the body-limit middleware answers those).
+The FastAPI route stays the documented, canonical one; tests run the same contract against
+both (tests/api/test_fast_status.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Scope, Send
 
 from ivy_sandbox.api.deps import authenticate_caller
+from ivy_sandbox.api.middleware import SECURITY_HEADERS
+from ivy_sandbox.api.observability import VALID_REQUEST_ID, request_id_of
 from ivy_sandbox.api.problems import (
     DATABASE_ERRORS,
     database_error_response,
     logged_api_error_response,
+    unexpected_error_response,
 )
+from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.errors import ApiError
+from ivy_sandbox.logs import REQUEST_ID
+from ivy_sandbox.metrics import HTTP_LATENCY, HTTP_REQUESTS
 from ivy_sandbox.services import sandboxes
 
 _STATUS_PATH = re.compile(r"^(/api)?/v1/sandbox/([^/]*)/status$")
+_ROUTES = {False: "/v1/sandbox/{chatId}/status", True: "/api/v1/sandbox/{chatId}/status"}
+_WANTED = frozenset({b"authorization", b"x-ivy-api-key", b"cookie"})
+# Present on a request the full stack must see: a long-poll, or a body to limit.
+_TO_FASTAPI = frozenset({b"prefer", b"content-length", b"transfer-encoding"})
+_OK_HEADERS = [(b"content-type", b"application/json"), *SECURITY_HEADERS]
 
 
-class _Template:
-    """What the metrics middleware reads as the route template (see observability)."""
+class FastStatus:
+    """Answers the plain status poll, or declines (returns False) and lets FastAPI answer."""
 
-    def __init__(self, path_format: str) -> None:
-        self.path_format = path_format
+    def __init__(self, max_header_bytes: int) -> None:
+        self.max_header_bytes = max_header_bytes
+        self._latency = {alias: HTTP_LATENCY.labels(route) for alias, route in _ROUTES.items()}
+        self._counters: dict[tuple[bool, int], Any] = {}
 
-
-_TEMPLATES = {
-    False: _Template("/v1/sandbox/{chatId}/status"),
-    True: _Template("/api/v1/sandbox/{chatId}/status"),
-}
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-class FastStatusMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET":
-            await self.app(scope, receive, send)
-            return
+    async def answer(self, scope: Scope, send: Send, services: Services) -> bool:
         match = _STATUS_PATH.match(scope["path"])
         if match is None:
-            await self.app(scope, receive, send)
-            return
+            return False
         wanted: dict[bytes, str] = {}
+        request_id = None
+        header_bytes = 0
         for name, value in scope["headers"]:
-            if name in (b"authorization", b"x-ivy-api-key", b"cookie", b"prefer"):
+            header_bytes += len(name) + len(value)
+            if name in _WANTED:
                 # Like Starlette's Headers.get: the first occurrence wins.
                 wanted.setdefault(name, value.decode("latin-1"))
-        if b"prefer" in wanted:  # a long-poll: FastAPI's route handles it
-            await self.app(scope, receive, send)
-            return
-        scope["route"] = _TEMPLATES[match.group(1) is not None]
-        await self._answer(scope, send, match.group(2), wanted)
+            elif name in _TO_FASTAPI:
+                return False
+            elif name == b"x-request-id" and VALID_REQUEST_ID.fullmatch(value):
+                request_id = value
+        if header_bytes > self.max_header_bytes:
+            return False  # the body-limit middleware answers 431
+        alias = match.group(1) is not None
+        started = time.perf_counter()
+        request_id_text = request_id_of(request_id)
+        token = REQUEST_ID.set(request_id_text)
+        status = 500
+        try:
+            status, headers, payload = await self._respond(scope, services, match.group(2), wanted)
+            headers.append((b"x-request-id", request_id_text.encode()))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            self._latency[alias].observe(time.perf_counter() - started)
+            await send({"type": "http.response.body", "body": payload})
+        finally:
+            self._count(alias, status)
+            REQUEST_ID.reset(token)
+        return True
 
-    async def _answer(
-        self, scope: Scope, send: Send, chat_id: str, headers: dict[bytes, str]
-    ) -> None:
-        services: Any = scope["app"].state.services
+    async def _respond(
+        self, scope: Scope, services: Services, chat_id: str, headers: dict[bytes, str]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         client = scope.get("client")
         try:
             principal = await authenticate_caller(
@@ -89,23 +113,22 @@ class FastStatusMiddleware:
                 clock=services.clock,
             )
         except ApiError as error:
-            response = logged_api_error_response("GET", scope["path"], error)
-            await response(scope, _no_receive, send)
-            return
+            return _parts(logged_api_error_response("GET", scope["path"], error))
         except DATABASE_ERRORS as error:
-            response = database_error_response("GET", scope["path"], error)
-            await response(scope, _no_receive, send)
-            return
+            return _parts(database_error_response("GET", scope["path"], error))
+        except Exception:  # what Starlette's error middleware would answer
+            return _parts(unexpected_error_response("GET", scope["path"]))
         payload = json.dumps(body, separators=(",", ":")).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        return 200, [*_OK_HEADERS, (b"content-length", str(len(payload)).encode())], payload
+
+    def _count(self, alias: bool, status: int) -> None:
+        counter = self._counters.get((alias, status))
+        if counter is None:
+            counter = HTTP_REQUESTS.labels(_ROUTES[alias], "GET", str(status))
+            self._counters[(alias, status)] = counter
+        counter.inc()
 
 
-async def _no_receive() -> Any:  # responses never read the request
-    return {"type": "http.disconnect"}
+def _parts(response: Response) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    headers = [(k, v) for k, v in response.raw_headers if k != b"cache-control"]
+    return response.status_code, [*headers, *SECURITY_HEADERS], bytes(response.body)

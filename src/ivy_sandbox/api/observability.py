@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
-import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,8 +12,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ivy_sandbox.logs import REQUEST_ID
 from ivy_sandbox.metrics import HTTP_LATENCY, HTTP_REQUESTS
 
-_VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
+VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 UNMATCHED = "<unmatched>"
+
+
+def request_id_of(valid_from_caller: bytes | None) -> str:
+    """The caller's (already validated) request id, else a new random one (32 hex digits;
+    ``os.urandom`` rather than ``uuid4``: same entropy, a third of the cost)."""
+    if valid_from_caller is not None:
+        return valid_from_caller.decode()
+    return os.urandom(16).hex()
 
 
 def route_label(scope: Scope) -> str:
@@ -41,11 +49,11 @@ class ObservabilityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = None
+        from_caller = None
         for name, value in scope["headers"]:
-            if name == b"x-request-id" and _VALID_REQUEST_ID.fullmatch(value):
-                request_id = value.decode()
-        request_id = request_id or uuid.uuid4().hex
+            if name == b"x-request-id" and VALID_REQUEST_ID.fullmatch(value):
+                from_caller = value
+        request_id = request_id_of(from_caller)
         token = REQUEST_ID.set(request_id)
         started = time.perf_counter()
         status = 500

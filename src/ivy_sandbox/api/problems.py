@@ -130,11 +130,16 @@ async def _on_database_error(request: Request, error: Exception) -> Response:
     return database_error_response(request.method, request.url.path, error)
 
 
-async def _on_unexpected(request: Request, _error: Exception) -> Response:
-    log.exception("unhandled error during %s %s", request.method, request.url.path)
+def unexpected_error_response(method: str, path: str) -> Response:
+    """500 for a bug; call it inside the ``except`` block (the log carries the traceback)."""
+    log.exception("unhandled error during %s %s", method, path)
     return problem_response(
         500, "internal_error", "Internal Server Error", "The server could not complete the request."
     )
+
+
+async def _on_unexpected(request: Request, _error: Exception) -> Response:
+    return unexpected_error_response(request.method, request.url.path)
 
 
 def install_error_handlers(app: FastAPI, allowed_methods: AllowedMethods) -> None:

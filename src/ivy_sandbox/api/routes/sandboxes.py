@@ -48,7 +48,10 @@ STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
 PREFER_DESCRIPTION = (
     "Long-poll: `wait=N` (N ≤ 60) holds the request until the status or phase differs from "
     "`since` (or from the state when the request arrived), or N seconds pass; the answer is "
-    "always 200 with the current body. Without it the endpoint answers at once."
+    "then 200 with the current body. While it waits, the credential is checked again every "
+    "15 s (`IVY_WATCH_KEEPALIVE_SECONDS`): if it was revoked or expired meanwhile, the wait "
+    "ends with the ordinary 401 `unauthenticated` problem and `WWW-Authenticate`. Without "
+    "`wait` the endpoint answers at once."
 )
 SINCE_DESCRIPTION = (
     "With `Prefer: wait=N`: the `ETag` (without quotes) of the last status you saw; the "
@@ -75,7 +78,9 @@ def wait_preference(prefer: str | None) -> float | None:
     description=(
         "Returns the current state of your chat's sandbox. `status` is `none` when the chat "
         "has no sandbox. While `provisioning`, `phase` and `etaSeconds` describe launch "
-        "progress; poll about once per second or two."
+        "progress; poll about once per second or two. With `Prefer: wait=N` it long-polls "
+        "(see the `Prefer` header); a long-poll whose credential is revoked or expires while "
+        "it waits ends with 401, like any request made with that credential."
     ),
     operation_id="getSandboxStatus",
     response_class=JSONResponse,
@@ -83,6 +88,7 @@ def wait_preference(prefer: str | None) -> float | None:
 )
 async def get_sandbox_status(
     chat_id: ChatIdPath,
+    request: Request,
     principal: CurrentPrincipal,
     services: ServicesDep,
     prefer: Annotated[str | None, Header(description=PREFER_DESCRIPTION)] = None,
@@ -100,7 +106,13 @@ async def get_sandbox_status(
         )
         return JSONResponse(body)
     body, token = await watch.wait_for_change(
-        services.watching, principal, chat_id, since=since, wait_seconds=wait
+        services.watching,
+        principal,
+        chat_id,
+        since=since,
+        wait_seconds=wait,
+        still_authenticated=functools.partial(reauthenticate, request),
+        keepalive_seconds=services.settings.watch_keepalive_seconds,
     )
     return JSONResponse(
         body, headers={"ETag": f'"{token}"', "Preference-Applied": f"wait={wait:g}"}
@@ -114,8 +126,10 @@ async def get_sandbox_status(
         "A `text/event-stream`: the first event is the current status body, then one event "
         "per change of status, phase, error or estimate (each `event: status`, `data:` the "
         "same JSON as the status endpoint, `id:` its state token), keep-alive comments at "
-        "least every 15 s. The stream ends after `active`, `failed` or `none`, or with an "
-        "`event: error` if the credential stops being valid. Same authentication (the "
+        "least every 15 s (`IVY_WATCH_KEEPALIVE_SECONDS`). The stream ends after `active`, "
+        "`failed` or `none`, or — when the credential, checked again at every keep-alive, was "
+        'revoked or expired — with `event: error` and `data: {"code":"unauthenticated"}` '
+        "(reconnecting with that credential gets the ordinary 401). Same authentication (the "
         "`__session` cookie works for browsers' EventSource), scoping and limits as the status "
         "endpoint."
     ),
@@ -139,6 +153,7 @@ async def watch_sandbox_status(
         principal,
         chat_id,
         still_authenticated=functools.partial(reauthenticate, request),
+        keepalive_seconds=services.settings.watch_keepalive_seconds,
     )
     return StreamingResponse(
         stream, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
