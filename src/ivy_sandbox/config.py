@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     metrics_token: str | None = Field(default=None, repr=False)
     run_worker: bool = True  # serve drives launches in-process; false when using `worker`
+    # How often an open SSE stream sends a keep-alive comment, and how often it and a waiting
+    # long-poll check their credential again (a revoked key ends them within this + 5 s).
+    watch_keepalive_seconds: float = Field(default=15.0, ge=0.1, le=60.0)
 
     @field_validator("sandbox_memory")
     @classmethod

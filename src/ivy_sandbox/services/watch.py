@@ -9,6 +9,23 @@ bounds the delay when an event cannot arrive (a worker in another process on SQL
 What counts as a change: status, phase, error message, creation time (a relaunch), or the
 ETA appearing or disappearing (a queued launch admitted) — not the ETA's count-down, which
 clients can do alone, nor its re-estimation, which happens with a phase change anyway.
+
+A credential can stop being valid while its watch is open (an API key revoked or expired, a
+session token past ``exp``). Both kinds of watch therefore check it again every
+``keepalive_seconds`` (``IVY_WATCH_KEEPALIVE_SECONDS``, 15 s by default) with the same
+``still_authenticated`` callable the route passes in — the ordinary authentication, cached,
+so a check is a dictionary lookup most of the time and at most one key read per 5 s per key
+(the cost of the 1 Hz poll a watch replaces). A revocation therefore ends a watch within
+about ``keepalive_seconds`` + 5 s (the key cache); a session token within ``keepalive_seconds``
+of its ``exp`` + 5 s leeway. What the client gets when the check fails:
+
+- SSE: the stream has already answered 200, so it sends ``event: error`` with
+  ``data: {"code":"unauthenticated"}`` and ends; a client must not reconnect with the same
+  credential (it would get the ordinary 401).
+- Long-poll: nothing has been sent yet, so it answers exactly what the same request would get
+  now — the ordinary 401 ``unauthenticated`` problem body with ``WWW-Authenticate`` — rather
+  than a 200 read with a credential that no longer works. A change that arrives before the
+  next check is answered 200 as usual (the credential was valid at the last check).
 """
 
 from __future__ import annotations
@@ -73,19 +90,36 @@ async def wait_for_change(
     *,
     since: str | None,
     wait_seconds: float,
+    still_authenticated: Callable[[], Awaitable[object]] | None = None,
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
 ) -> tuple[StatusBody, str]:
     """Long-poll: the status as soon as it differs from ``since`` (or now), else after
-    ``wait_seconds``. Always the current body; never an error for waiting too long."""
+    ``wait_seconds``. Always the current body; never an error for waiting too long.
+
+    While waiting, ``still_authenticated`` is called every ``keepalive_seconds``; the
+    :class:`AuthenticationFailed` it raises when the credential stopped being valid ends the
+    wait (the route answers it as the ordinary 401)."""
     await watching.charge(principal, chat_id)
     async with watching.bus.subscribe(chat_id) as subscription:
         snapshot, token = await _read(watching, principal, chat_id)
         baseline = since if since is not None else token
-        loop_deadline = watching.clock.monotonic() + min(wait_seconds, MAX_WAIT_SECONDS)
+        checked_at = watching.clock.monotonic()
+        loop_deadline = checked_at + min(wait_seconds, MAX_WAIT_SECONDS)
         while token == baseline:
-            remaining = loop_deadline - watching.clock.monotonic()
+            tick = watching.clock.monotonic()
+            remaining = loop_deadline - tick
             if remaining <= 0:
                 break
-            await subscription.wait(min(remaining, watching.recheck_seconds))
+            timeout = min(remaining, watching.recheck_seconds)
+            if still_authenticated is not None:
+                timeout = min(timeout, max(0.0, checked_at + keepalive_seconds - tick))
+            await subscription.wait(timeout)
+            if (
+                still_authenticated is not None
+                and watching.clock.monotonic() - checked_at >= keepalive_seconds
+            ):
+                await still_authenticated()  # AuthenticationFailed ends the wait: a 401
+                checked_at = watching.clock.monotonic()
             snapshot, token = await _read(watching, principal, chat_id)
     return status_body(snapshot, watching.clock.now()), token
 
