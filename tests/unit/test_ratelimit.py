@@ -7,12 +7,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 
 import pytest
-from limits.aio.storage import MemoryStorage, RedisStorage
+from limits.aio.storage import RedisStorage
 
 from conftest import REDIS_URL, service_unavailable
 from ivy_sandbox.config import Settings
 from ivy_sandbox.errors import RateLimited, RateLimitState
 from ivy_sandbox.ratelimit import RateLimiter, make_storage, rate_limit_headers
+from ivy_sandbox.ratelimit_memory import InProcessStorage
 
 HIGH = "1000/minute"
 
@@ -53,7 +54,7 @@ def test_rate_limit_headers_name_the_policy_that_tripped() -> None:
 
 # -- storage -----------------------------------------------------------------------------------
 def test_make_storage_without_url_is_in_memory() -> None:
-    assert isinstance(make_storage(None), MemoryStorage)
+    assert isinstance(make_storage(None), InProcessStorage)
 
 
 @pytest.mark.parametrize(
@@ -93,21 +94,23 @@ async def test_redis_storage_counters_are_shared_by_prefix_and_separated_between
 # -- policies ----------------------------------------------------------------------------------
 def test_policies_parse_limits_notation_into_named_amounts_and_windows() -> None:
     limiter = RateLimiter(
-        MemoryStorage(), per_user="600/minute", per_chat="2 per second", auth_failures="60/hour"
+        InProcessStorage(), per_user="600/minute", per_chat="2 per second", auth_failures="60/hour"
     )
     got = {
         p.name: (p.item.amount, p.window_seconds)
         for p in (limiter.user, limiter.chat, limiter.auth_failures)
     }
     assert got == {"user": (600, 60), "chat": (2, 1), "auth-failures": (60, 3600)}
-    five_minutes = RateLimiter(MemoryStorage(), per_user="10/5 minutes", per_chat=HIGH, **_auth(1))
+    five_minutes = RateLimiter(
+        InProcessStorage(), per_user="10/5 minutes", per_chat=HIGH, **_auth(1)
+    )
     assert five_minutes.user.window_seconds == 300
 
 
 @pytest.mark.parametrize("bad", ["lots", "", "-1/minute", "5/fortnight"])
 def test_policies_reject_text_that_is_not_limits_notation(bad: str) -> None:
     with pytest.raises(ValueError, match=r"parse|granularity"):
-        RateLimiter(MemoryStorage(), per_user=bad, per_chat=HIGH, auth_failures=HIGH)
+        RateLimiter(InProcessStorage(), per_user=bad, per_chat=HIGH, auth_failures=HIGH)
 
 
 # -- behaviour on memory storage ---------------------------------------------------------------
