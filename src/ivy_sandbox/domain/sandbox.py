@@ -78,8 +78,10 @@ class SandboxSnapshot:
 
 def rfc3339(value: datetime) -> str:
     """UTC, millisecond precision, ``Z`` suffix: ``2026-11-29T10:02:02.571Z``."""
-    value = value.astimezone(UTC)
-    return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+    if value.tzinfo is not UTC:
+        value = value.astimezone(UTC)
+    # isoformat is C code; strftime + an f-string cost three times as much (hot: every poll).
+    return value.replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
 
 
 def remaining_eta(snapshot: SandboxSnapshot, now: datetime) -> int | None:

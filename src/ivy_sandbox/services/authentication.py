@@ -59,14 +59,17 @@ class Authenticator:
         self._keys.clear()
 
     async def _api_key(self, raw: str) -> Principal:
-        parsed = parse_api_key(raw)  # raises on format/checksum, before any I/O
+        # The cache is keyed by the HMAC, so a hit needs no parsing: only a key that parsed
+        # and verified earlier can be in it. A miss parses first (format and checksum refuse
+        # junk before any I/O).
         digest = hash_api_key(self._pepper, raw)
         cached = self._keys.get(digest)
         tick = self._clock.monotonic()
         if cached is not None and tick < cached.valid_until:
             if cached.expires_at is not None and self._clock.now() >= cached.expires_at:
-                raise AuthenticationFailed(f"api key {parsed.kid} expired")
+                raise AuthenticationFailed(f"api key {cached.principal.credential_id} expired")
             return cached.principal
+        parsed = parse_api_key(raw)  # raises on format/checksum, before any I/O
         record = await self._repository.api_key(parsed.kid)
         if record is None or not digests_equal(record.secret_hash, digest):
             self._keys.pop(digest, None)

@@ -44,10 +44,23 @@ _KEY_SQL = f"SELECT {', '.join(_KEY_COLUMNS)} FROM api_keys WHERE id = ?"  # noq
 BUSY_TIMEOUT_MS = 200
 
 NO_CHAT = object()  # the chat is not visible to this principal
+MAX_MEMOISED_ROWS = 4096
 
 
 def _utc(text: str) -> datetime:
     return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def _snapshot(row: tuple[Any, ...]) -> SandboxSnapshot:
+    status, phase, created_at, phase_started_at, eta_seconds, error_message = row
+    return SandboxSnapshot(
+        status=SandboxStatus(status),
+        phase=Phase(phase),
+        created_at=_utc(created_at),
+        phase_started_at=_utc(phase_started_at),
+        eta_seconds=eta_seconds,
+        error_message=error_message,
+    )
 
 
 class SqliteStatusReader:
@@ -57,6 +70,7 @@ class SqliteStatusReader:
         )
         self._connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._connection.execute("PRAGMA query_only=1")
+        self._snapshots: dict[tuple[Any, ...], SandboxSnapshot] = {}
 
     def chat_sandbox(
         self, chat_id: str, user_id: str, project_id: str | None
@@ -68,17 +82,16 @@ class SqliteStatusReader:
             row = self._connection.execute(_SCOPED_SQL, (chat_id, user_id, project_id)).fetchone()
         if row is None:
             return NO_CHAT
-        status, phase, created_at, phase_started_at, eta_seconds, error_message = row
-        if status is None:
+        if row[0] is None:
             return None
-        return SandboxSnapshot(
-            status=SandboxStatus(status),
-            phase=Phase(phase),
-            created_at=_utc(created_at),
-            phase_started_at=_utc(phase_started_at),
-            eta_seconds=eta_seconds,
-            error_message=error_message,
-        )
+        # The row is read every time (no stale status); only its parsing is memoised: a
+        # polled sandbox's row stays the same for seconds to hours.
+        snapshot = self._snapshots.get(row)
+        if snapshot is None:
+            if len(self._snapshots) >= MAX_MEMOISED_ROWS:
+                self._snapshots.clear()
+            snapshot = self._snapshots[row] = _snapshot(row)
+        return snapshot
 
     def api_key_row(self, kid: str) -> dict[str, Any] | None:
         """The api_keys row of ``kid`` as column → value (times as aware UTC), or None."""
