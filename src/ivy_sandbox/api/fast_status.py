@@ -38,6 +38,7 @@ from ivy_sandbox.api.problems import (
     unexpected_error_response,
 )
 from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.domain.sandbox import StatusBody
 from ivy_sandbox.errors import ApiError
 from ivy_sandbox.logs import REQUEST_ID
 from ivy_sandbox.metrics import HTTP_LATENCY, HTTP_REQUESTS
@@ -48,6 +49,7 @@ _ROUTES = {False: "/v1/sandbox/{chatId}/status", True: "/api/v1/sandbox/{chatId}
 _WANTED = frozenset({b"authorization", b"x-ivy-api-key", b"cookie"})
 # Present on a request the full stack must see: a long-poll, or a body to limit.
 _TO_FASTAPI = frozenset({b"prefer", b"content-length", b"transfer-encoding"})
+MAX_MEMOISED_BODIES = 4096
 _OK_HEADERS = [(b"content-type", b"application/json"), *SECURITY_HEADERS]
 
 
@@ -58,6 +60,7 @@ class FastStatus:
         self.max_header_bytes = max_header_bytes
         self._latency = {alias: HTTP_LATENCY.labels(route) for alias, route in _ROUTES.items()}
         self._counters: dict[tuple[bool, int], Any] = {}
+        self._payloads: dict[tuple[tuple[str, Any], ...], bytes] = {}
 
     async def answer(self, scope: Scope, send: Send, services: Services) -> bool:
         match = _STATUS_PATH.match(scope["path"])
@@ -118,8 +121,18 @@ class FastStatus:
             return _parts(database_error_response("GET", scope["path"], error))
         except Exception:  # what Starlette's error middleware would answer
             return _parts(unexpected_error_response("GET", scope["path"]))
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        payload = self._encode(body)
         return 200, [*_OK_HEADERS, (b"content-length", str(len(payload)).encode())], payload
+
+    def _encode(self, body: StatusBody) -> bytes:
+        """JSON, memoised by content: most polls see a body they have seen before."""
+        key = tuple(body.items())
+        payload = self._payloads.get(key)
+        if payload is None:
+            if len(self._payloads) >= MAX_MEMOISED_BODIES:
+                self._payloads.clear()
+            payload = self._payloads[key] = json.dumps(body, separators=(",", ":")).encode()
+        return payload
 
     def _count(self, alias: bool, status: int) -> None:
         counter = self._counters.get((alias, status))

@@ -7,6 +7,7 @@ known; ``errorMessage`` only when failed. Absent fields are omitted, never null.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -76,6 +77,7 @@ class SandboxSnapshot:
     error_message: str | None = None
 
 
+@functools.lru_cache(maxsize=4096)  # a polled sandbox's createdAt, formatted once
 def rfc3339(value: datetime) -> str:
     """UTC, millisecond precision, ``Z`` suffix: ``2026-11-29T10:02:02.571Z``."""
     if value.tzinfo is not UTC:

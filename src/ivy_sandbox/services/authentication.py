@@ -3,7 +3,9 @@
 API keys: format → checksum (no database) → HMAC → lookup by kid (cached) → constant-time
 compare → revoked/expired. A verified key is cached for at most ``KEY_CACHE_SECONDS`` (and never
 past its expiry), so a revocation written by any process takes effect within that time.
-The cache is keyed by the key's HMAC digest, so no plaintext key is held in it.
+The cache is keyed by a keyed BLAKE2b of the key (a random key per process, 2.5 times cheaper
+than the HMAC-SHA256 we store), so no plaintext key is held in it; a hit needs neither the
+checksum nor the stored digest, only a key that passed both earlier can be in it.
 
 Session tokens: verified offline by :class:`~ivy_sandbox.auth.clerk.ClerkVerifier` (which keeps
 its own cache of verified tokens until ``exp``); the user row is created on first sight.
@@ -11,6 +13,8 @@ its own cache of verified tokens until ``exp``); the user row is created on firs
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -43,6 +47,7 @@ class Authenticator:
         self._clerk = clerk
         self._clock = clock
         self._keys: dict[bytes, _CachedKey] = {}
+        self._cache_key = os.urandom(32)
         self._known_users: set[str] = set()
 
     async def authenticate(self, credential: Credential) -> Principal:
@@ -59,20 +64,18 @@ class Authenticator:
         self._keys.clear()
 
     async def _api_key(self, raw: str) -> Principal:
-        # The cache is keyed by the HMAC, so a hit needs no parsing: only a key that parsed
-        # and verified earlier can be in it. A miss parses first (format and checksum refuse
-        # junk before any I/O).
-        digest = hash_api_key(self._pepper, raw)
-        cached = self._keys.get(digest)
+        cache_id = hashlib.blake2b(raw.encode(), key=self._cache_key, digest_size=16).digest()
+        cached = self._keys.get(cache_id)
         tick = self._clock.monotonic()
         if cached is not None and tick < cached.valid_until:
             if cached.expires_at is not None and self._clock.now() >= cached.expires_at:
                 raise AuthenticationFailed(f"api key {cached.principal.credential_id} expired")
             return cached.principal
         parsed = parse_api_key(raw)  # raises on format/checksum, before any I/O
+        digest = hash_api_key(self._pepper, raw)
         record = await self._repository.api_key(parsed.kid)
         if record is None or not digests_equal(record.secret_hash, digest):
-            self._keys.pop(digest, None)
+            self._keys.pop(cache_id, None)
             raise AuthenticationFailed(f"api key {parsed.kid} unknown or secret mismatch")
         now = self._clock.now()
         self._check_usable(record, now)
@@ -84,7 +87,7 @@ class Authenticator:
         )
         if len(self._keys) >= MAX_CACHED_KEYS:
             self._keys.clear()
-        self._keys[digest] = _CachedKey(principal, tick + KEY_CACHE_SECONDS, record.expires_at)
+        self._keys[cache_id] = _CachedKey(principal, tick + KEY_CACHE_SECONDS, record.expires_at)
         if record.last_used_at is None or now - record.last_used_at >= LAST_USED_RESOLUTION:
             # Conditional in SQL too, so several processes still write at most once a minute.
             await self._repository.touch_api_key(record.id, now)
