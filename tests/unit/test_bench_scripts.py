@@ -104,3 +104,71 @@ def test_wrk_output_parser_and_percentiles() -> None:
     assert common.percentile([5], 99) == 5
     assert common.sandbox_cgroup_prefix(Path("/data")).startswith("ivy-")
     assert "done = function" in common.DONE_LUA
+
+
+# -- bench/soak.py (issue 6: the long soak) ---------------------------------------------------
+SOAK_KEYS = [
+    "passed",
+    "failures",
+    "server_5xx",
+    "rss_growth_mb",
+    "fd_growth",
+    "thread_growth",
+    "poll_p99_ms",
+    "samples",
+]
+
+
+def test_soak_starts_documents_its_options_and_promises_its_keys() -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "soak.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--quick", "--json-out", "--duration", "--backend"):
+        assert option in result.stdout
+    module = load("soak")
+    assert module.NAME == "soak"
+    assert set(SOAK_KEYS) <= set(module.KEYS)
+
+
+def test_soak_judges_growth_from_the_second_sample_to_the_last() -> None:
+    soak = load("soak")
+
+    def sample(t: float, rss: float, fds: int, threads: int) -> dict[str, float]:
+        return {"t_s": t, "rss_mb": rss, "fds": fds, "threads": threads}
+
+    warm_up = sample(60, 40, 20, 5)  # start-up growth before the second sample is ignored
+    steady = [warm_up, sample(120, 110, 40, 12), sample(180, 130, 50, 12)]
+    growth, failures = soak.judge_growth(steady)
+    assert growth == {"rss_mb": 20, "fds": 10, "threads": 0}
+    assert failures == []
+    leaking = [*steady, sample(240, 200, 150, 30)]
+    _, failures = soak.judge_growth(leaking)
+    assert len(failures) == 3
+    assert any(f.startswith("rss_mb grew by 90") for f in failures)
+    _, failures = soak.judge_growth([warm_up])
+    assert failures  # too short to judge is a failure, not a pass
+
+
+def test_soak_counts_5xx_from_metrics_whose_labels_hold_braces() -> None:
+    soak = load("soak")
+    text = "\n".join(
+        [
+            "# HELP ivy_http_requests_total HTTP requests answered",
+            'ivy_http_requests_total{code="200",method="GET",route="/v1/sandbox/{chatId}/status"}'
+            " 250.0",
+            'ivy_http_requests_total{code="503",method="GET",route="/v1/sandbox/{chatId}"} 2.0',
+            'ivy_http_requests_total{code="500",method="POST",route="/v1/chats"} 1.0',
+            'ivy_rate_limited_total{policy="per_user"} 7.0',
+            "ivy_auth_failures_total 3.0",
+        ]
+    )
+    totals = soak.metric_totals(text)
+    assert totals["http_2xx"] == 250
+    assert totals["http_5xx"] == 3
+    assert totals["rate_limited"] == 7
+    assert totals["auth_failures"] == 3
