@@ -283,9 +283,16 @@ def parse_bwrap_version(text: str) -> tuple[int, int, int] | None:
 
 # -- reading what comes back ---------------------------------------------------------------------
 # The mount check: (st_dev, st_ino) of /workspace as seen inside, then a write as the sandbox
-# user. A bind mount keeps both numbers, so they must equal the host directory's.
+# user. A bind mount keeps both numbers, so they must equal the host directory's. The file
+# gets a random name created with O_EXCL (mktemp): the chat's own files, or a symlink it
+# planted, cannot make the check fail or write elsewhere. A workspace filled to its disk
+# limit still passes (the chat must be able to launch to clean it up): "no space" counts as
+# writable when the permission is there.
 MOUNT_CHECK = (
-    'stat -c "%d %i" /workspace && t=/workspace/.ivy-mount-check.$$ && : >"$t" && rm -f -- "$t"'
+    'stat -c "%d %i" /workspace && '
+    'if t=$(mktemp -p /workspace .ivy-mount-check.XXXXXXXX 2>&1); then rm -f -- "$t"; '
+    'else case $t in *"No space left"*|*"quota exceeded"*) test -w /workspace;; '
+    '*) echo "$t" >&2; exit 1;; esac; fi'
 )
 READINESS_PROBE = "cd /workspace && ls -a >/dev/null"
 

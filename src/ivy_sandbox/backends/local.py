@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ivy_sandbox.backends import bwrap_args as args
-from ivy_sandbox.backends import cgroups, local_exec
+from ivy_sandbox.backends import cgroups, local_disk, local_exec
 from ivy_sandbox.backends import local_procs as procs
 from ivy_sandbox.backends.base import (
     BackendError,
@@ -170,14 +170,26 @@ def _stage_for(bwrap: str, tools: args.Tools) -> str:
     return stage
 
 
+def _make_book(book: Path) -> None:
+    book.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    book.mkdir(mode=0o700)
+
+
 class LocalBackend:
     """Sandboxes as bubblewrap processes on this machine (see the module docstring)."""
 
     name = "local"
 
     def __init__(
-        self, data_dir: Path, *, bwrap_path: str | None = None, sandbox_uid: int | None = None
+        self,
+        data_dir: Path,
+        *,
+        bwrap_path: str | None = None,
+        sandbox_uid: int | None = None,
+        disk_bytes: int | None = None,
     ) -> None:
+        """``disk_bytes``: the size limit of each chat's workspace (``IVY_SANDBOX_DISK``);
+        None leaves workspaces plain directories (see ``local_disk``)."""
         self._data_dir = Path(data_dir).resolve()
         # Cgroup names carry the data dir: hierarchies at "/" are shared by every service
         # (and test run) on the machine, and sandbox ids are only unique per data dir.
@@ -220,9 +232,14 @@ class LocalBackend:
         )
         self._cgroups = cgroups.detect()
         self._mountpoints = cgroups.cgroup_mountpoints()
+        self._workspaces = local_disk.detect(
+            self._data_dir, disk_bytes, uid=self._uid, gid=self._gid
+        )
 
     def enforced_limits(self) -> EnforcedLimits:
-        return self._cgroups.enforced()
+        limits = self._cgroups.enforced()
+        disk = self._workspaces.describe()
+        return local_disk.LocalEnforcedLimits(limits.memory, limits.pids, limits.cpu, disk)
 
     # -- compute ------------------------------------------------------------------------
     async def start(self, spec: SandboxSpec) -> BackendState:
@@ -249,7 +266,7 @@ class LocalBackend:
             "rlimits": cgroups.fallback_rlimits(self._cgroups, spec.limits),
         }
         try:
-            workspace = self._prepare(chat_id, book)  # a few mkdirs; not worth a thread
+            workspace = await self._prepare(chat_id, book)
             name = self._cgroup_prefix + sandbox_id
             state["cgroups"] = cgroups.create(self._cgroups, name, spec.limits)
             procs.write_state(book, state)
@@ -265,29 +282,26 @@ class LocalBackend:
             raise
         return state
 
-    def _prepare(self, chat_id: str, book: Path) -> Path:
-        """Create the data dirs (0700, ours) and the workspace (0700, the sandbox uid's)."""
-        for directory in (self._data_dir / "workspaces", self._data_dir / "sandboxes"):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        book.mkdir(mode=0o700)
-        path = self._data_dir / "workspaces" / chat_id
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            stat = os.fstat(fd)
-            if (stat.st_uid, stat.st_gid) != (self._uid, self._gid):
-                os.fchown(fd, self._uid, self._gid)
-            os.fchmod(fd, 0o700)
-        finally:
-            os.close(fd)
-        return path
+    async def _prepare(self, chat_id: str, book: Path) -> Path:
+        """The bookkeeping dir (0700, ours) and the chat's workspace (see ``local_disk``)."""
+        _make_book(book)  # a few mkdirs; not worth a thread
+        if not self._workspaces.limited:
+            return self._workspaces.prepare(chat_id, lambda: False)
+
+        def busy() -> bool:  # a plain directory in use by the chat's sandbox: not migrated
+            return any(
+                other.state.get("chat_id") == chat_id and procs.is_running(other)
+                for other in procs.all_sandboxes(self._data_dir)
+                if other.book != book
+            )
+
+        return await asyncio.to_thread(self._workspaces.prepare, chat_id, busy)
 
     # -- mount and ready ------------------------------------------------------------------
     async def mount(self, spec: SandboxSpec, state: BackendState) -> BackendState:
         if state.get("chat_id") != spec.chat_id:
             raise BackendError(ErrorCode.MOUNT_FAILED, "the sandbox belongs to another chat")
-        host = os.stat(self._data_dir / "workspaces" / procs.valid_id(spec.chat_id))
+        host = os.stat(self._workspaces.path(procs.valid_id(spec.chat_id)))
         check = ["/bin/sh", "-c", args.MOUNT_CHECK]
         result = await self.exec(state, ExecRequest(check, timeout_seconds=CHECK_TIMEOUT, cwd="/"))
         if result.exit_code != 0:

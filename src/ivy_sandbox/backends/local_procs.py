@@ -86,6 +86,14 @@ def parse_state(data_dir: Path, state: Any) -> Sandbox | None:
     return Sandbox(sandbox_id, state, book)
 
 
+def all_sandboxes(data_dir: Path) -> list[Sandbox]:
+    """Every sandbox with a bookkeeping dir under ``data_dir`` (running or not)."""
+    found = (
+        parse_state(data_dir, {"sandbox_id": p.name}) for p in (data_dir / "sandboxes").glob("*")
+    )
+    return [sandbox for sandbox in found if sandbox is not None]
+
+
 def write_state(book: Path, state: BackendState) -> None:
     """Atomically (write, then rename): a crash never leaves a half-written state.json."""
     temporary = book / "state.json.tmp"
