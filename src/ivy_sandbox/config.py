@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     ready_timeout: float = Field(default=30.0, gt=0)
     sandbox_memory: str = "512M"
     sandbox_pids: int = Field(default=256, ge=8)
+    # Size of each chat's workspace (local backend: a loop-mounted ext4 image; needs root and
+    # loop devices, else reported "not enforced" at start-up); "off" for no limit.
+    sandbox_disk: str = "1G"
     sandbox_cpus: float = Field(default=1.0, gt=0)
     exec_output_limit: int = Field(default=1024 * 1024, ge=1024)
     exec_max_timeout: float = Field(default=3600.0, gt=0)
@@ -108,6 +111,18 @@ class Settings(BaseSettings):
     @property
     def sandbox_memory_bytes(self) -> int:
         return parse_size(self.sandbox_memory)
+
+    @field_validator("sandbox_disk")
+    @classmethod
+    def _disk_size(cls, value: str) -> str:
+        if value.strip().lower() != "off":
+            parse_size(value)
+        return value
+
+    @property
+    def sandbox_disk_bytes(self) -> int | None:
+        """None when the limit is off."""
+        return None if self.sandbox_disk.strip().lower() == "off" else parse_size(self.sandbox_disk)
 
     @field_validator("rate_limit", "rate_limit_per_chat", "auth_failure_limit", "rate_limit_launch")
     @classmethod
