@@ -20,7 +20,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus
 from ivy_sandbox.errors import Conflict, NotFound
-from ivy_sandbox.storage.engine import sqlite_path
+from ivy_sandbox.storage.engine import sqlite_path, write_transaction
 from ivy_sandbox.storage.sqlite_reads import NO_CHAT, SqliteStatusReader
 from ivy_sandbox.storage.tables import api_keys, chats, projects, sandboxes, users
 
@@ -147,7 +147,7 @@ class Repository:
     async def touch_api_key(self, kid: str, now: datetime) -> None:
         """Record use, at most once a minute per key (the WHERE makes it cheap and idempotent)."""
         stale = now - LAST_USED_RESOLUTION
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(
                 update(api_keys)
                 .where(
@@ -160,7 +160,7 @@ class Repository:
     # -- users, projects, chats, keys --------------------------------------------------
     async def ensure_user(self, user_id: str, now: datetime) -> None:
         """Create the user if absent (first valid session token); concurrent calls are fine."""
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             stmt: Any
             if conn.dialect.name == "postgresql":
                 stmt = pg_insert(users).on_conflict_do_nothing(index_elements=["id"])
@@ -170,7 +170,7 @@ class Repository:
 
     async def create_user(self, user_id: str, now: datetime) -> None:
         try:
-            async with self.engine.begin() as conn:
+            async with write_transaction(self.engine) as conn:
                 await conn.execute(insert(users).values(id=user_id, created_at=now))
         except IntegrityError:
             raise Conflict(
@@ -183,7 +183,7 @@ class Repository:
         return row is not None
 
     async def create_project(self, project: ProjectRecord) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(insert(projects).values(**_fields(project)))
 
     async def project(self, project_id: str) -> ProjectRecord | None:
@@ -192,11 +192,11 @@ class Repository:
         return None if row is None else ProjectRecord(**row._mapping)
 
     async def create_chat(self, chat: ChatRecord) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(insert(chats).values(**_fields(chat)))
 
     async def create_api_key(self, key: ApiKeyRecord) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(insert(api_keys).values(**_fields(key)))
 
     async def list_api_keys(self, user_id: str) -> list[ApiKeyRecord]:
@@ -211,7 +211,7 @@ class Repository:
 
     async def revoke_api_key(self, kid: str, now: datetime) -> None:
         """Revoke a key; revoking twice keeps the first revocation time."""
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             found = (await conn.execute(select(api_keys.c.id).where(api_keys.c.id == kid))).first()
             if found is None:
                 raise NotFound(f"api key {kid} not found", detail=f"No API key {kid}.")
@@ -275,7 +275,7 @@ class Repository:
     async def revoke_owned_api_key(self, kid: str, user_id: str, now: datetime) -> bool:
         """Revoke the user's key (the first revocation time is kept). ``False`` when the key
         does not exist or is another user's — the two are not told apart."""
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             found = (
                 await conn.execute(
                     select(api_keys.c.id).where(api_keys.c.id == kid, api_keys.c.user_id == user_id)

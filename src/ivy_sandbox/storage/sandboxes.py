@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ivy_sandbox.domain.eta import PhaseStat, observe
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
 from ivy_sandbox.events import EventBus, LocalEventBus
+from ivy_sandbox.storage.engine import write_transaction
 from ivy_sandbox.storage.tables import phase_stats, sandboxes
 
 PG_ADMISSION_LOCK = 0x1A7_AD01
@@ -164,7 +165,7 @@ class SandboxRepository:
         """
         for _ in range(3):
             try:
-                async with self.engine.begin() as conn:
+                async with write_transaction(self.engine) as conn:
                     current = await self._by_chat(conn, record.chat_id)
                     if current is not None and current.status is not SandboxStatus.FAILED:
                         return current, False
@@ -183,7 +184,7 @@ class SandboxRepository:
 
     async def remove(self, chat_id: str) -> SandboxRecord | None:
         """Delete the chat's sandbox row (stop); returns what was there for cleanup."""
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             current = await self._by_chat(conn, chat_id)
             if current is not None:
                 await conn.execute(delete(sandboxes).where(sandboxes.c.id == current.id))
@@ -193,7 +194,7 @@ class SandboxRepository:
         return current
 
     async def remove_by_id(self, record: SandboxRecord, status: SandboxStatus) -> bool:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 delete(sandboxes).where(
                     sandboxes.c.id == record.id, sandboxes.c.status == status.value
@@ -207,14 +208,14 @@ class SandboxRepository:
         return removed
 
     async def touch_activity(self, sandbox_id: str, now: datetime) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(
                 update(sandboxes).where(sandboxes.c.id == sandbox_id).values(last_activity_at=now)
             )
 
     # -- engine writes (fenced) ----------------------------------------------------------
     async def claim(self, sandbox_id: str, owner: str, now: datetime, ttl: timedelta) -> bool:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 update(sandboxes)
                 .where(
@@ -234,7 +235,7 @@ class SandboxRepository:
         return await self._fenced(sandbox_id, owner, lease_expires_at=now + ttl)
 
     async def release(self, sandbox_id: str, owner: str) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(
                 update(sandboxes)
                 .where(sandboxes.c.id == sandbox_id, sandboxes.c.lease_owner == owner)
@@ -245,7 +246,7 @@ class SandboxRepository:
         """Free leases held by workers known to be dead, so their launches resume at once."""
         if not owners:
             return 0
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 update(sandboxes)
                 .where(sandboxes.c.lease_owner.in_(list(owners)))
@@ -307,7 +308,7 @@ class SandboxRepository:
             )
             .scalar_subquery()
         )
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             if conn.dialect.name == "postgresql":
                 await conn.execute(
                     text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_ADMISSION_LOCK}
@@ -365,7 +366,7 @@ class SandboxRepository:
         from_status: SandboxStatus = SandboxStatus.PROVISIONING,
     ) -> SandboxRecord | None:
         """Mark the sandbox failed; returns the record as it was, or None if it moved on."""
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             row = (
                 await conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id))
             ).first()
@@ -407,7 +408,7 @@ class SandboxRepository:
         key = (phase_stats.c.backend == backend, phase_stats.c.phase == phase.value)
         for _ in range(3):
             try:
-                async with self.engine.begin() as conn:
+                async with write_transaction(self.engine) as conn:
                     query = select(phase_stats.c.samples, phase_stats.c.mean_seconds).where(*key)
                     if conn.dialect.name == "postgresql":
                         query = query.with_for_update()
@@ -434,7 +435,7 @@ class SandboxRepository:
     async def _fenced(
         self, sandbox_id: str, owner: str, *, notify: str | None = None, **values: Any
     ) -> bool:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 update(sandboxes)
                 .where(
