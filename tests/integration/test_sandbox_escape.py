@@ -713,6 +713,17 @@ async def test_an_interrupted_migration_resumes_without_loss(lab: Lab) -> None:
     assert (await lab.sh(a, "cat two")).stdout == b"two\n"
 
 
+async def test_a_workspace_keeps_its_image_when_the_limit_is_turned_off_later(lab: Lab) -> None:
+    lab.need_disk_limit()
+    a = await lab.launch("chat_a")
+    await lab.sh(a, "echo kept > /workspace/kept.txt")
+    await lab.main.stop(a)
+    assert lab.main._workspaces.release() == []  # as after a reboot
+    unlimited = lab.backend(disk=None)
+    a = await lab.launch("chat_a", unlimited)  # mounts the image, not an empty directory
+    assert (await lab.sh(a, "cat /workspace/kept.txt")).stdout == b"kept\n"
+
+
 async def test_where_loop_devices_are_missing_the_disk_limit_is_reported_not_enforced(
     lab: Lab, tmp_path: Path
 ) -> None:
@@ -726,7 +737,7 @@ async def test_where_loop_devices_are_missing_the_disk_limit_is_reported_not_enf
     assert local_disk.mounted_image(lab.workspace("chat_a"), Path("/")) is Mounted.NO
     assert (await lab.sh(state, "echo x > /workspace/x && cat /workspace/x")).stdout == b"x\n"
     nothing = local_disk.detect(lab.data, None, uid=0, gid=0)
-    assert nothing.describe().startswith("not enforced (no limit configured")
+    assert nothing.describe() == "not enforced (no limit configured)"
 
 
 def test_the_disk_plan_converges_from_every_state_a_crash_can_leave() -> None:

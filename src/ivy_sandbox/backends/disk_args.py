@@ -119,7 +119,7 @@ def copy_argv(tools: DiskTools, source: str, target: str) -> list[str]:
 def describe(size: int | None, problem: str | None) -> str:
     """The start-up report's disk part (the same style as the memory/pids/cpu parts)."""
     if size is None:
-        return "not enforced (no limit configured: IVY_SANDBOX_DISK=off)"
+        return "not enforced (no limit configured)"
     if problem is not None:
         return f"not enforced ({problem})"
     return f"ext4 image per workspace, {format_size(size)} each"

@@ -84,11 +84,13 @@ class Workspaces:
         (a plain directory in use is not migrated). Blocking: run it in a thread."""
         workspace = self.path(chat_id)
         (self.data_dir / "workspaces").mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not self.limited:
+        if not self.limited and not self.image(chat_id).exists():
             with contextlib.suppress(FileExistsError):
                 workspace.mkdir(mode=0o700)
             _own(workspace, self.uid, self.gid)
             return workspace
+        # With a limit, or without one for a chat whose data already lives in an image (the
+        # limit was turned off later): that image is mounted, never an empty directory.
         images = self.data_dir / plan.IMAGES
         images.mkdir(mode=0o700, exist_ok=True)
         with _locked(images / f"{chat_id}{plan.LOCK_SUFFIX}"):
@@ -153,7 +155,11 @@ class Workspaces:
             os.ftruncate(fd, self.size)  # sparse: takes no space until written
         finally:
             os.close(fd)
-        self._run(plan.mkfs_argv(self.tools, str(building), uid=self.uid, gid=self.gid))
+        try:
+            self._run(plan.mkfs_argv(self.tools, str(building), uid=self.uid, gid=self.gid))
+        except BaseException:
+            building.unlink(missing_ok=True)
+            raise
         if plain is None:
             building.rename(self.image(chat_id))
             return True
@@ -173,7 +179,12 @@ class Workspaces:
                 )
                 building.unlink()
                 return False
-            self._run(plan.copy_argv(self.tools, str(plain), str(staging)), timeout=None)
+            try:
+                self._run(plan.copy_argv(self.tools, str(plain), str(staging)), timeout=None)
+            except BackendError as error:  # e.g. it grew meanwhile: stay plain, keep working
+                log.warning("workspace of %s stays a plain directory: %s", chat_id, error)
+                building.unlink()
+                return False
         except BaseException:
             building.unlink(missing_ok=True)
             raise
