@@ -93,9 +93,12 @@ def occupy_the_only_slot(server: Server, clerk: Clerk) -> None:
     assert httpx.post(url, headers=headers).status_code == 202
     deadline = time.monotonic() + BOUND
     while time.monotonic() < deadline:
-        if httpx.get(f"{url}/status", headers=headers).json()["status"] == "active":
+        body = httpx.get(f"{url}/status", headers=headers).json()
+        if body["status"] == "active":
             return
-        time.sleep(0.2)
+        if body["status"] == "failed":
+            pytest.fail(f"the blocking sandbox failed: {body}\n{server.logs()}")
+        time.sleep(0.5)  # inside the per-chat limit (120/min) for the whole bound
     pytest.fail(f"the blocking sandbox never became active\n{server.logs()}")
 
 
