@@ -8,7 +8,7 @@ owner, and report whether a row changed. A worker that gets ``False`` has lost t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,7 +20,8 @@ from ivy_sandbox.domain.eta import PhaseStat, observe
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
 from ivy_sandbox.events import EventBus, LocalEventBus
 from ivy_sandbox.storage.engine import write_transaction
-from ivy_sandbox.storage.tables import phase_stats, sandboxes
+from ivy_sandbox.storage.phase_stats import fold_phase_duration, read_phase_stats
+from ivy_sandbox.storage.tables import sandboxes
 
 PG_ADMISSION_LOCK = 0x1A7_AD01
 
@@ -150,10 +151,8 @@ class SandboxRepository:
         return int(ahead) + 1
 
     async def phase_stats(self, backend: str) -> dict[Phase, PhaseStat]:
-        query = select(phase_stats).where(phase_stats.c.backend == backend)
         async with self.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
-        return {Phase(r.phase): PhaseStat(r.samples, r.mean_seconds) for r in rows}
+            return await read_phase_stats(conn, backend)
 
     # -- launch / stop (API side) --------------------------------------------------------
     async def launch(self, record: SandboxRecord) -> tuple[SandboxRecord, bool]:
@@ -339,21 +338,50 @@ class SandboxRepository:
         eta_seconds: float | None,
         status: SandboxStatus = SandboxStatus.PROVISIONING,
     ) -> bool:
-        values: dict[str, Any] = {
-            "phase": phase.value,
-            "status": status.value,
-            "phase_started_at": now,
-            "updated_at": now,
-            "eta_seconds": eta_seconds,
-            "timeline": next_timeline(
-                record.timeline, now, None if status is SandboxStatus.ACTIVE else phase
-            ),
-        }
-        if status is SandboxStatus.ACTIVE:
-            values.update(
-                ready_at=now, last_activity_at=now, lease_owner=None, lease_expires_at=None
-            )
+        moved = _moved(record, phase, now, eta_seconds, status)
+        values = _move_values(moved)
         return await self._fenced(record.id, owner, notify=record.chat_id, **values)
+
+    async def transition(
+        self,
+        record: SandboxRecord,
+        owner: str,
+        *,
+        phase: Phase,
+        now: datetime,
+        eta_seconds: float | None,
+        backend: str,
+        finished_seconds: float,
+        status: SandboxStatus = SandboxStatus.PROVISIONING,
+        backend_state: dict[str, Any] | None = None,
+    ) -> tuple[SandboxRecord | None, PhaseStat]:
+        """One transaction: fold the finished phase's duration into ``backend``'s statistic,
+        then the fenced move to ``phase`` (saving ``backend_state`` too, if given).
+
+        Returns the sandbox as it now is — or None if it moved on — and the new statistic."""
+        moved = _moved(record, phase, now, eta_seconds, status)
+        if backend_state is not None:
+            moved = replace(moved, backend_state=backend_state)
+        values = {
+            k: v for k, v in _values(moved).items() if getattr(record, k) != getattr(moved, k)
+        }
+        for attempt in range(3):
+            try:
+                async with write_transaction(self.engine) as conn:
+                    stat = await fold_phase_duration(
+                        conn, backend, record.phase, finished_seconds, now
+                    )
+                    changed = await self._fenced_in(conn, record.id, owner, values)
+                    if changed:
+                        await self.bus.in_transaction(conn, record.chat_id)
+                break
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+        if not changed:
+            return None, stat
+        self.bus.after_commit(record.chat_id)
+        return moved, stat
 
     async def fail(
         self,
@@ -403,30 +431,11 @@ class SandboxRepository:
     async def record_phase_duration(
         self, backend: str, phase: Phase, seconds: float, now: datetime
     ) -> PhaseStat:
-        """Fold one observed duration into the phase's statistic, atomically (concurrent
-        launches must not overwrite each other's samples); returns the new statistic."""
-        key = (phase_stats.c.backend == backend, phase_stats.c.phase == phase.value)
+        """Fold one observed duration into the phase's statistic; returns the new one."""
         for _ in range(3):
             try:
                 async with write_transaction(self.engine) as conn:
-                    query = select(phase_stats.c.samples, phase_stats.c.mean_seconds).where(*key)
-                    if conn.dialect.name == "postgresql":
-                        query = query.with_for_update()
-                    row = (await conn.execute(query)).first()
-                    current = None if row is None else PhaseStat(row.samples, row.mean_seconds)
-                    stat = observe(backend, phase, current, seconds)
-                    values = {
-                        "samples": stat.samples,
-                        "mean_seconds": stat.mean_seconds,
-                        "updated_at": now,
-                    }
-                    if row is None:
-                        await conn.execute(
-                            insert(phase_stats).values(backend=backend, phase=phase.value, **values)
-                        )
-                    else:
-                        await conn.execute(update(phase_stats).where(*key).values(**values))
-                return stat
+                    return await fold_phase_duration(conn, backend, phase, seconds, now)
             except IntegrityError:
                 continue  # a concurrent first sample created the row: fold into it
         return observe(backend, phase, None, seconds)
@@ -436,16 +445,7 @@ class SandboxRepository:
         self, sandbox_id: str, owner: str, *, notify: str | None = None, **values: Any
     ) -> bool:
         async with write_transaction(self.engine) as conn:
-            result = await conn.execute(
-                update(sandboxes)
-                .where(
-                    sandboxes.c.id == sandbox_id,
-                    sandboxes.c.status == SandboxStatus.PROVISIONING.value,
-                    sandboxes.c.lease_owner == owner,
-                )
-                .values(**values)
-            )
-            changed = result.rowcount == 1
+            changed = await self._fenced_in(conn, sandbox_id, owner, values)
             if changed and notify is not None:
                 await self.bus.in_transaction(conn, notify)
         if changed and notify is not None:
@@ -453,9 +453,65 @@ class SandboxRepository:
         return changed
 
     @staticmethod
+    async def _fenced_in(
+        conn: AsyncConnection, sandbox_id: str, owner: str, values: dict[str, Any]
+    ) -> bool:
+        result = await conn.execute(
+            update(sandboxes)
+            .where(
+                sandboxes.c.id == sandbox_id,
+                sandboxes.c.status == SandboxStatus.PROVISIONING.value,
+                sandboxes.c.lease_owner == owner,
+            )
+            .values(**values)
+        )
+        return bool(result.rowcount == 1)
+
+    @staticmethod
     async def _by_chat(conn: AsyncConnection, chat_id: str) -> SandboxRecord | None:
         row = (await conn.execute(select(sandboxes).where(sandboxes.c.chat_id == chat_id))).first()
         return None if row is None else SandboxRecord.from_row(row)
+
+
+def _moved(
+    record: SandboxRecord,
+    phase: Phase,
+    now: datetime,
+    eta_seconds: float | None,
+    status: SandboxStatus,
+) -> SandboxRecord:
+    """``record`` moved to ``phase`` (and ``status``) at ``now``."""
+    active = status is SandboxStatus.ACTIVE
+    moved = replace(
+        record,
+        phase=phase,
+        status=status,
+        phase_started_at=now,
+        updated_at=now,
+        eta_seconds=eta_seconds,
+        timeline=next_timeline(record.timeline, now, None if active else phase),
+    )
+    if active:
+        moved = replace(
+            moved, ready_at=now, last_activity_at=now, lease_owner=None, lease_expires_at=None
+        )
+    return moved
+
+
+_MOVE_COLUMNS = ("phase", "status", "phase_started_at", "updated_at", "eta_seconds", "timeline")
+_ACTIVE_COLUMNS = ("ready_at", "last_activity_at", "lease_owner", "lease_expires_at")
+
+
+def _move_values(moved: SandboxRecord, *, with_state: bool = False) -> dict[str, Any]:
+    """The columns a phase move writes — and nothing else: a fenced write must not put back
+    stale values of other columns (the lease renewer writes ``lease_expires_at`` meanwhile)."""
+    columns: tuple[str, ...] = _MOVE_COLUMNS
+    if moved.status is SandboxStatus.ACTIVE:
+        columns += _ACTIVE_COLUMNS
+    if with_state:
+        columns += ("backend_state",)
+    values = _values(moved)
+    return {column: values[column] for column in columns}
 
 
 def _values(record: SandboxRecord) -> dict[str, Any]:

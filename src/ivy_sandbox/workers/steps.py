@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TypeVar
 
@@ -132,11 +132,10 @@ class LaunchDriver:
         if self.record.phase is Phase.COMPUTE:
             await self._admit()
             await self._start_compute()
-            await self._enter(Phase.MOUNT)
+            await self._enter(Phase.MOUNT, save_state=True)
         if self.record.phase is Phase.MOUNT:
             self.state = await self._within(Phase.MOUNT, self.backend.mount(self.spec, self.state))
-            await self._save_state()
-            await self._enter(Phase.READY)
+            await self._enter(Phase.READY, save_state=True)
         if self.record.phase is Phase.READY:
             await self._within(Phase.READY, self._probe_until_ready())
             await self._enter(Phase.READY, SandboxStatus.ACTIVE)
@@ -157,7 +156,9 @@ class LaunchDriver:
                 # The next launch in line may have been waiting only for this one (FIFO):
                 # wake the waiters now rather than at their next poll.
                 self.capacity_freed.set()
-                await self._reload()
+                self.record = replace(
+                    self.record, admitted_at=now, phase_started_at=now, eta_seconds=eta
+                )
                 return
             if not announced_wait:  # queued: the ETA is unknown until a slot frees
                 if not await self.sandboxes.mark_queued(self.record, self.owner, now):
@@ -183,8 +184,9 @@ class LaunchDriver:
                 return
             await self.backend.stop(self.state)
             self.state = {}
+        # Saved with the move to mount, right after (no await in between but that write):
+        # a crash before it leaves a process that the orphan sweep stops.
         self.state = await self._within(Phase.COMPUTE, self.backend.start(self.spec))
-        await self._save_state()
 
     async def _probe_until_ready(self) -> None:
         while not await self.backend.probe(self.spec, self.state):  # noqa: ASYNC110 - polling a probe
@@ -205,36 +207,36 @@ class LaunchDriver:
             ) from None
 
     async def _enter(
-        self, phase: Phase, status: SandboxStatus = SandboxStatus.PROVISIONING
+        self,
+        phase: Phase,
+        status: SandboxStatus = SandboxStatus.PROVISIONING,
+        *,
+        save_state: bool = False,
     ) -> None:
+        """Move to ``phase`` and record how long the finished one took: one transaction."""
         now = self.clock.now()
         finished = self.record.phase
-        took = (now - self.record.phase_started_at).total_seconds()
-        PHASE_DURATION.labels(self.backend.name, finished.value).observe(max(0.0, took))
-        # Recorded before the transition, so whoever sees the new state also sees the stat.
-        self.stats[finished] = await self.sandboxes.record_phase_duration(
-            self.backend.name, finished, took, now
-        )
+        took = max(0.0, (now - self.record.phase_started_at).total_seconds())
+        PHASE_DURATION.labels(self.backend.name, finished.value).observe(took)
         eta = (
             None
             if status is SandboxStatus.ACTIVE
             else seconds_until_ready(self.backend.name, phase, self.stats)
         )
-        if not await self.sandboxes.enter_phase(self.record, self.owner, phase, now, eta, status):
+        moved, self.stats[finished] = await self.sandboxes.transition(
+            self.record,
+            self.owner,
+            phase=phase,
+            now=now,
+            eta_seconds=eta,
+            backend=self.backend.name,
+            finished_seconds=took,
+            status=status,
+            backend_state=self.state if save_state else None,
+        )
+        if moved is None:
             raise LeaseLost
-        await self._reload()
-
-    async def _save_state(self) -> None:
-        if not await self.sandboxes.save_backend_state(
-            self.record.id, self.owner, self.state, self.clock.now()
-        ):
-            raise LeaseLost
-
-    async def _reload(self) -> None:
-        record = await self.sandboxes.by_id(self.record.id)
-        if record is None:
-            raise LeaseLost
-        self.record = record
+        self.record = moved
 
     async def _renew_lease(self) -> None:
         ttl = timedelta(seconds=self.settings.lease_ttl)
