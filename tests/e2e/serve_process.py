@@ -22,6 +22,10 @@ START_TIMEOUT = 20.0
 def clean_env(data_dir: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("IVY_")}
     env["IVY_DATA_DIR"] = str(data_dir)
+    # Workspace images stay mounted for the life of the machine (docs/local-backend.md):
+    # these tests are about other things and must leave no mounts behind in their tmp dirs.
+    # The disk limit itself is tested by tests/integration/test_sandbox_escape.py.
+    env["IVY_SANDBOX_DISK"] = "off"
     env.update(extra or {})
     return env
 

@@ -64,6 +64,7 @@ def clean_env(data_dir: Path, extra: Mapping[str, str] | None = None) -> dict[st
     """The caller's environment without any IVY_ variable, pointed at ``data_dir``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IVY_")}
     env["IVY_DATA_DIR"] = str(data_dir)
+    env["IVY_SANDBOX_DISK"] = "off"  # no workspace mounts left in tmp dirs (see e2e)
     env.update(extra or {})
     return env
 
