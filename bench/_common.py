@@ -390,6 +390,21 @@ class IvyServer(Server):
                     f"removed {removed} cgroup(s)",
                     file=sys.stderr,
                 )
+            release_workspace_images(self.data_dir)
+
+
+def release_workspace_images(data_dir: Path) -> None:
+    """Unmount the workspace images a server made (the service keeps them mounted)."""
+    root = data_dir / "workspaces"
+    if not root.is_dir():
+        return
+    mounted = [
+        line.split()[1]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if line.split()[1].startswith(str(root) + "/")
+    ]
+    for target in mounted:
+        subprocess.run(["umount", target], check=False, capture_output=True)  # noqa: S603, S607
 
 
 def proc_status_kb(pid: int, field_name: str) -> int:
