@@ -90,20 +90,15 @@ async def run(
             command=request.command,
             parent_userns_fd=parent,
         )
-        # cgroup mkdir/rmdir and cgroup.procs writes block for milliseconds under load
-        # (measured: a fifth of the loop's time with 20 launches at once): in threads.
         try:
-            targets, group = await asyncio.to_thread(
-                cgroups.new_exec_group, sandbox.cgroup_paths(mountpoints)
-            )
+            targets, group = cgroups.new_exec_group(sandbox.cgroup_paths(mountpoints))
         except OSError as error:
             raise BackendError(ErrorCode.SANDBOX_EXITED, f"sandbox cgroups: {error}") from None
         try:
             return await _run(sandbox, argv, targets, group, request, started, fds, setpriv)
         finally:
             if group is not None:
-                # fails (harmlessly) while background processes remain
-                await asyncio.to_thread(cgroups.remove, group)
+                cgroups.remove(group)  # fails (harmlessly) while background processes remain
     finally:
         for fd in fds:
             os.close(fd)
@@ -124,7 +119,7 @@ async def _run(
     capture = _Capture(request.output_limit_bytes)
     transport = await _spawn(argv, capture, pass_fds, setpriv)
     try:
-        await _release(transport, sandbox, targets, request.stdin)
+        _release(transport, sandbox, targets, request.stdin)
         timed_out = await _wait(transport, group, capture, request.timeout_seconds)
     finally:
         if not capture.exited.done():  # an error or cancellation: leave nothing behind
@@ -167,7 +162,7 @@ async def _spawn(
     return transport
 
 
-async def _release(
+def _release(
     transport: asyncio.SubprocessTransport,
     sandbox: procs.Sandbox,
     targets: list[Path],
@@ -176,14 +171,9 @@ async def _release(
     """Place the gate in the sandbox's cgroups (and rlimits) before it can fork, then open
     it: its first line of stdin, followed by the command's stdin and EOF."""
     pid = transport.get_pid()
-    rlimits = sandbox.state.get("rlimits") or {}
-
-    def place() -> None:
-        cgroups.join(targets, pid)
-        cgroups.apply_rlimits(pid, rlimits)
-
     try:
-        await asyncio.to_thread(place)
+        cgroups.join(targets, pid)
+        cgroups.apply_rlimits(pid, sandbox.state.get("rlimits") or {})
     except OSError as error:
         raise BackendError(ErrorCode.SANDBOX_EXITED, f"sandbox cgroups: {error}") from None
     # uvloop's pipe transports are not asyncio.WriteTransport subclasses; duck-type.

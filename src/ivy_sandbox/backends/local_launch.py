@@ -56,17 +56,13 @@ class Launcher:
         fds: list[int] = []
         proc: subprocess.Popen[bytes] | None = None
         try:
-            # fork/exec and cgroup.procs writes block for milliseconds under load: in a
-            # thread, so other launches and requests go on meanwhile.
-            spawned, info_r, err_r = await asyncio.to_thread(
-                self._spawn, spec, workspace, book, fds
-            )
-            proc = spawned  # (a cancelled spawn: the gate sees EOF, never "go", and exits)
-            state["pids"]["outer"] = {"pid": spawned.pid, "start": cgroups.start_time(spawned.pid)}
-            await asyncio.to_thread(_place, spawned.pid, state)
-            assert spawned.stdin is not None
-            with spawned.stdin:
-                spawned.stdin.write(b"go\n")
+            proc, info_r, err_r = self._spawn(spec, workspace, book, fds)
+            state["pids"]["outer"] = {"pid": proc.pid, "start": cgroups.start_time(proc.pid)}
+            cgroups.join([Path(g["path"]) for g in state["cgroups"]], proc.pid)
+            cgroups.apply_rlimits(proc.pid, state["rlimits"])
+            assert proc.stdin is not None
+            with proc.stdin:
+                proc.stdin.write(b"go\n")
             fds.remove(info_r)
             info = await _read_all(info_r, START_TIMEOUT)
             try:
@@ -215,9 +211,3 @@ async def _abort_launch(proc: subprocess.Popen[bytes]) -> None:
     cgroups.kill_pids(inside if is_bwrap and inside else [*inside, proc.pid])
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGCONT)
-
-
-def _place(pid: int, state: BackendState) -> None:
-    """Put the (gated) launcher in the sandbox's cgroups and rlimits before it can run."""
-    cgroups.join([Path(g["path"]) for g in state["cgroups"]], pid)
-    cgroups.apply_rlimits(pid, state["rlimits"])
