@@ -117,7 +117,9 @@ def make_backend(settings: Settings) -> SandboxBackend:
         return latency_backend()
     from ivy_sandbox.backends.local import LocalBackend
 
-    backend = LocalBackend(ensure_data_dir(settings).resolve(), disk_bytes=settings.sandbox_disk_bytes)
+    backend = LocalBackend(
+        ensure_data_dir(settings).resolve(), disk_bytes=settings.sandbox_disk_bytes
+    )
     log.info("local sandboxes: limits enforced by %s", backend.enforced_limits().summary())
     return backend
 
