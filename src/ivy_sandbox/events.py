@@ -27,6 +27,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ivy_sandbox.aio import wait_event
+
 log = logging.getLogger(__name__)
 
 CHANNEL = "ivy_sandbox_status"
@@ -43,9 +45,7 @@ class Subscription:
 
     async def wait(self, seconds: float) -> bool:
         """True if a change arrived within ``seconds`` (then re-armed for the next one)."""
-        try:
-            await asyncio.wait_for(self._event.wait(), seconds)
-        except TimeoutError:
+        if not await wait_event(self._event, seconds):
             return False
         self._event.clear()
         return True
@@ -147,8 +147,7 @@ class PostgresEventBus:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen_forever(), name="ivy-listen")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._connected.wait(), 5)
+        await wait_event(self._connected, 5)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -173,9 +172,7 @@ class PostgresEventBus:
                 # Anything may have changed while we were not listening: wake every waiter.
                 self._fanout.deliver_all()
                 while not lost.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(lost.wait(), self.HEALTH_CHECK_SECONDS)
-                    if not lost.is_set():
+                    if not await wait_event(lost, self.HEALTH_CHECK_SECONDS):
                         await connection.execute("SELECT 1")  # notice a silently dead link
             except asyncio.CancelledError:
                 raise

@@ -13,7 +13,6 @@ gone become ``failed``, and sandboxes the backend runs without a live record are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -21,6 +20,7 @@ import secrets
 import socket
 from datetime import datetime, timedelta
 
+from ivy_sandbox.aio import wait_event
 from ivy_sandbox.backends.base import ErrorCode, Liveness, SandboxBackend
 from ivy_sandbox.domain.sandbox import SandboxStatus
 from ivy_sandbox.services.clock import Clock
@@ -98,11 +98,13 @@ class Provisioner:
 
     async def aclose(self) -> None:
         """Stop driving. Sandboxes stay as they are; leases are released for the next worker."""
-        for task in [*self._loops, *self._drivers.values()]:
-            task.cancel()
-        for task in [*self._loops, *self._drivers.values()]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        pending = {*self._loops, *self._drivers.values()}
+        while pending:
+            # Again and again: a task that swallowed one cancellation (see aio.wait_event)
+            # must not keep shutdown waiting forever.
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         self._loops.clear()
         self._drivers.clear()
 
@@ -188,8 +190,7 @@ class Provisioner:
             except Exception:
                 log.exception("claiming launches failed; retrying")
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+            await wait_event(self._wake, self.poll_interval)
 
     async def claim_available(self) -> int:
         free = self.max_concurrent - len(self._drivers)

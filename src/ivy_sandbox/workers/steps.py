@@ -9,13 +9,13 @@ fails the sandbox with a stable ``errorCode`` and a message that names the phase
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TypeVar
 
+from ivy_sandbox.aio import wait_event
 from ivy_sandbox.backends.base import (
     BackendError,
     BackendState,
@@ -173,8 +173,7 @@ class LaunchDriver:
                     f"{self.settings.max_sandboxes})",
                 )
             self.capacity_freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.capacity_freed.wait(), min(CAPACITY_POLL, remaining))
+            await wait_event(self.capacity_freed, min(CAPACITY_POLL, remaining))
 
     async def _start_compute(self) -> None:
         if self.state:
