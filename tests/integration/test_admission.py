@@ -1,4 +1,4 @@
-"""Admission against IVY_MAX_SANDBOXES, decided by one fenced UPDATE (storage.sandboxes.admit)."""
+"""Admission against IVY_MAX_SANDBOXES (one fenced UPDATE); paging sandboxes by status."""
 
 from __future__ import annotations
 
@@ -52,3 +52,17 @@ async def test_a_younger_launch_never_takes_a_slot_an_older_waiter_needs(
     assert await store.admit(middle, OWNER, now, capacity=2, eta_seconds=None)
     assert await store.admit(oldest, OWNER, now, capacity=2, eta_seconds=None)
     assert not await store.admit(youngest, OWNER, now, capacity=2, eta_seconds=None)  # full
+
+
+async def test_pages_with_status_yield_every_sandbox_once_in_bounded_pages(
+    repository: Repository, world: World
+) -> None:
+    store = SandboxRepository(repository.engine, LocalEventBus())
+    for _ in range(7):
+        await world.sandbox(await world.chat(), "active", "ready")
+    await world.sandbox(await world.chat(), "failed", "failed")
+    pages = [page async for page in store.pages_with_status(SandboxStatus.ACTIVE, page_size=3)]
+    assert [len(page) for page in pages] == [3, 3, 1]
+    ids = [record.id for page in pages for record in page]
+    assert len(set(ids)) == 7
+    assert all(record.status is SandboxStatus.ACTIVE for page in pages for record in page)

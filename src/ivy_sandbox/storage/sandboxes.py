@@ -7,7 +7,7 @@ owner, and report whether a row changed. A worker that gets ``False`` has lost t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -104,6 +104,29 @@ class SandboxRepository:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query.order_by(sandboxes.c.created_at))).all()
         return [SandboxRecord.from_row(row) for row in rows]
+
+    async def pages_with_status(
+        self, status: SandboxStatus, page_size: int = 50
+    ) -> AsyncIterator[list[SandboxRecord]]:
+        """Every sandbox in ``status``, a page at a time (keyset by id): the periodic sweep
+        over hundreds of sandboxes must not parse them all in one slice of the loop."""
+        after = ""
+        while True:
+            query = (
+                select(sandboxes)
+                .where(sandboxes.c.status == status.value, sandboxes.c.id > after)
+                .order_by(sandboxes.c.id)
+                .limit(page_size)
+            )
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(query)).all()
+            if not rows:
+                return
+            page = [SandboxRecord.from_row(row) for row in rows]
+            yield page
+            if len(rows) < page_size:
+                return
+            after = page[-1].id
 
     async def count_by_status(self) -> dict[SandboxStatus, int]:
         query = select(sandboxes.c.status, func.count()).group_by(sandboxes.c.status)

@@ -129,15 +129,16 @@ class Provisioner:
         """Fail sandboxes whose processes died; stop those idle for too long."""
         now = self.clock.now()
         idle_before = now - timedelta(seconds=self.settings.idle_timeout)
-        for record in await self.sandboxes.with_status(SandboxStatus.ACTIVE):
-            try:
-                await self._check_one(record, idle_before)
-            except Exception:
-                log.exception("checking sandbox %s failed; will retry", record.id)
-            # An inspection rarely awaits anything real, so without this the whole sweep
-            # runs as one slice of the loop: with 500 sandboxes, a stall of tens of ms once
-            # a second that every request in flight waits out (the density benchmark's p99).
-            await asyncio.sleep(0)
+        async for page in self.sandboxes.pages_with_status(SandboxStatus.ACTIVE):
+            for record in page:
+                try:
+                    await self._check_one(record, idle_before)
+                except Exception:
+                    log.exception("checking sandbox %s failed; will retry", record.id)
+                # An inspection rarely awaits anything real, so without this the sweep runs
+                # as one slice of the loop: with 500 sandboxes, a stall of tens of ms once a
+                # second that every request in flight waits out (the density p99).
+                await asyncio.sleep(0)
 
     async def _check_one(self, record: SandboxRecord, idle_before: datetime) -> None:
         inspection = await self.backend.inspect(record.backend_state)
