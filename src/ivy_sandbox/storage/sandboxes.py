@@ -16,7 +16,7 @@ from sqlalchemy import and_, delete, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ivy_sandbox.domain.eta import PhaseStat, observe
+from ivy_sandbox.domain.eta import PhaseStat
 from ivy_sandbox.domain.sandbox import Phase, SandboxSnapshot, SandboxStatus, rfc3339
 from ivy_sandbox.events import EventBus, LocalEventBus
 from ivy_sandbox.storage.engine import write_transaction
@@ -276,11 +276,6 @@ class SandboxRepository:
             )
         return int(result.rowcount)
 
-    async def save_backend_state(
-        self, sandbox_id: str, owner: str, state: dict[str, Any], now: datetime
-    ) -> bool:
-        return await self._fenced(sandbox_id, owner, backend_state=state, updated_at=now)
-
     async def mark_queued(self, record: SandboxRecord, owner: str, now: datetime) -> bool:
         """Waiting for capacity: the ETA is unknown until a slot frees."""
         return await self._fenced(
@@ -450,18 +445,6 @@ class SandboxRepository:
             return None
         self.bus.after_commit(record.chat_id)
         return record
-
-    async def record_phase_duration(
-        self, backend: str, phase: Phase, seconds: float, now: datetime
-    ) -> PhaseStat:
-        """Fold one observed duration into the phase's statistic; returns the new one."""
-        for _ in range(3):
-            try:
-                async with write_transaction(self.engine) as conn:
-                    return await fold_phase_duration(conn, backend, phase, seconds, now)
-            except IntegrityError:
-                continue  # a concurrent first sample created the row: fold into it
-        return observe(backend, phase, None, seconds)
 
     # -- helpers -------------------------------------------------------------------------
     async def _fenced(
