@@ -108,4 +108,9 @@ async def test_an_idle_sandbox_is_stopped_and_activity_keeps_one_alive(
         await asyncio.sleep(IDLE / 2)
         assert (await status(client, key, chat))["status"] == "active"
     await until(client, key, chat, "none", within=IDLE * 6)
+    # The record goes first (a client sees "none"), then the worker stops the backend.
+    for _ in range(200):
+        if not backend.running:
+            break
+        await asyncio.sleep(0.01)
     assert backend.running == {}
