@@ -142,23 +142,39 @@ def _data_pipe(text: str) -> int:
 async def _read_all(fd: int, within: float) -> bytes:
     """Read a pipe to EOF (or what came ``within`` seconds) without blocking the loop.
 
-    Takes ownership of ``fd``.
+    Takes ownership of ``fd`` and closes it exactly once, before returning. Not
+    ``connect_read_pipe``: on uvloop that closes the fd twice (libuv, then the file object;
+    MagicStack/uvloop#763), and a descriptor another thread opened in between - the disk
+    thread's image, a pipe about to be passed to bwrap - was closed under it ("[Errno 9]
+    Bad file descriptor" from a later start).
     """
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
-    )
+    readable = asyncio.Event()
     chunks: list[bytes] = []
-    deadline = loop.time() + within
     try:
-        while chunk := await asyncio.wait_for(reader.read(65536), deadline - loop.time()):
-            chunks.append(chunk)
-    except TimeoutError:
-        pass
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable.set)
+        try:
+            async with asyncio.timeout(within):
+                while chunk := await _read_when_ready(fd, readable):
+                    chunks.append(chunk)
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
     finally:
-        transport.close()
+        os.close(fd)
     return b"".join(chunks)
+
+
+async def _read_when_ready(fd: int, readable: asyncio.Event) -> bytes:
+    """The next chunk of a non-blocking pipe; ``b""`` at EOF."""
+    while True:
+        try:
+            return os.read(fd, 65536)
+        except BlockingIOError:
+            readable.clear()
+            await readable.wait()
 
 
 async def _record_pids(state: BackendState, init_pid: int) -> None:
