@@ -1,10 +1,12 @@
 """``ivy-sandbox status --follow`` and ``launch --wait`` against a real ``ivy-sandbox serve``.
 
 The server runs the ``latency-fake`` backend (phases of about 1.5, 0.8 and 0.4 s; nothing
-runs) with room for one sandbox and a one-second capacity timeout: a launch queued behind
-another (admitted first) fails with ``capacity_timeout`` — a real failure path, reached
-without any test hook. Each test stops its sandboxes when it ends, so the next one finds the
-slot free.
+runs) with room for one sandbox and a capacity timeout of CAPACITY_TIMEOUT seconds: a launch
+queued behind another (admitted first) fails with ``capacity_timeout`` — a real failure
+path, reached without any test hook. The timeout leaves a CLI started after the launch
+(a new Python process: about half a second, more on a loaded CI machine) ample time to
+see the launch queued before it fails. Each test stops its sandboxes when it ends, so the
+next one finds the slot free.
 
 "On a terminal" means a real pseudo-terminal (``pty``); "not a terminal" means a pipe.
 """
@@ -42,6 +44,7 @@ TIMEOUT = 40
 
 
 CHATS = 14  # the tests below use 12
+CAPACITY_TIMEOUT = 5
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {
         "IVY_SANDBOX_BACKEND": "latency-fake",
         "IVY_MAX_SANDBOXES": "1",
-        "IVY_CAPACITY_TIMEOUT": "1",
+        "IVY_CAPACITY_TIMEOUT": str(CAPACITY_TIMEOUT),
     }
     server = started_server(tmp_path_factory.mktemp("cli-client"), env)
     yield server
@@ -158,7 +161,7 @@ def launch(server: Server, account: Account) -> None:
 
 def launch_queued_behind_another(server: Server, accounts: Callable[[], Account]) -> Account:
     """A chat whose launch waits for the only slot, taken by another chat's launch: it fails
-    with capacity_timeout after a second. Returns the waiting chat."""
+    with capacity_timeout after CAPACITY_TIMEOUT seconds. Returns the waiting chat."""
     blocker, victim = accounts(), accounts()
     launch(server, blocker)  # first come, first served: this one is admitted
     launch(server, victim)
