@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,6 +34,8 @@ from ivy_sandbox.backends import local_procs as procs
 from ivy_sandbox.backends.base import BackendError, BackendState, ErrorCode, SandboxSpec
 
 START_TIMEOUT = 10.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +218,14 @@ async def _abort_launch(proc: subprocess.Popen[bytes]) -> None:
     """
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGSTOP)
-    for _ in range(100):
-        if cgroups.process_state(proc.pid) in ("T", "Z", None):
+    # The stop takes effect only when the launcher next runs (after a clone or a mount in
+    # progress): on a loaded machine that took over 100 ms, and a scan made before it
+    # missed the sandbox cloned just after, which then outlived the launcher. So wait for
+    # it, boundedly (a process that never stops is killed below with what was found).
+    deadline = time.monotonic() + START_TIMEOUT
+    while cgroups.process_state(proc.pid) not in ("T", "Z", None):
+        if time.monotonic() > deadline:
+            log.warning("launcher %d did not stop; killing it anyway", proc.pid)
             break
         await asyncio.sleep(0.001)
     inside = [p for p in cgroups.descendants(proc.pid) if cgroups.start_time(p) is not None]
