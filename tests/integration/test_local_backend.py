@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -377,6 +378,39 @@ async def test_output_cap_sets_truncated_and_keeps_draining(
     assert len(result.stderr) == 1000
     small = await backend.exec(state, ExecRequest(["echo", "x"], output_limit_bytes=1000))
     assert not small.truncated
+
+
+async def test_stdin_larger_than_a_pipe_arrives_whole_and_unread_stdin_does_not_hang(
+    backend: LocalBackend, launch: Launch
+) -> None:
+    _, state = await launch()
+    payload = os.urandom(3_000_000)  # many pipe buffers: fed while the command reads
+    digest = await backend.exec(state, ExecRequest(["sha256sum"], stdin=payload))
+    assert digest.stdout.split()[0].decode() == hashlib.sha256(payload).hexdigest()
+    ignored = await sh(backend, state, "echo ignored", stdin=payload, timeout_seconds=20)
+    assert (ignored.exit_code, ignored.stdout, ignored.timed_out) == (0, b"ignored\n", False)
+
+
+async def test_execs_leave_no_descriptor_or_child_behind_in_the_control_plane(
+    backend: LocalBackend, launch: Launch
+) -> None:
+    """Ordinary, timed-out and cancelled execs: the control plane's open fds and children
+    are what they were before (each exec opens pipes and a pidfd of its own)."""
+    _, state = await launch()
+    await backend.exec(state, ExecRequest(["true"]))  # warm: lazily opened things
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        await backend.exec(state, ExecRequest(["cat"], stdin=b"x" * 100_000))
+        await sh(backend, state, "sleep 30", timeout_seconds=0.2)
+        task = asyncio.create_task(sh(backend, state, "sleep 30"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0.1)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    zombies = [pid for pid in cgroups.descendants(os.getpid()) if not alive(pid)]
+    assert zombies == []
 
 
 async def test_exec_in_a_stopped_sandbox_raises_sandbox_exited(

@@ -7,11 +7,12 @@ Part of the local backend (``local.py``). Why it looks the way it does:
   the launch (``bwrap_args.gated``): we place it in the sandbox's cgroups, plus a fresh
   per-exec cgroup, before it can fork. That per-exec cgroup is what lets a timeout kill
   everything the command started, double-forked and ``setsid``'d processes included.
-- Output is read concurrently and capped (``_Capture``): the first ``output_limit_bytes``
-  of each stream are kept and the rest drained, so the command never blocks on a pipe.
-- ``serve`` runs on uvloop: no ``extra_groups=``/``user=``/``group=`` keywords on
-  ``subprocess_exec`` (root's groups are dropped with ``setpriv``), and no isinstance checks
-  on transport classes (uvloop's are not asyncio's subclasses).
+- Output is read concurrently and capped (``local_child.Child``): the first
+  ``output_limit_bytes`` of each stream are kept and the rest drained, so the command never
+  blocks on a pipe.
+- The gate is spawned with ``Popen`` (vfork), not ``loop.subprocess_exec``, whose uvloop
+  version forks the whole server with the loop blocked (``local_child``); root's groups are
+  dropped with ``setpriv``, since ``extra_groups=`` would rule out vfork.
 """
 
 from __future__ import annotations
@@ -22,44 +23,14 @@ import fcntl
 import os
 import time
 from pathlib import Path
-from typing import cast
 
 from ivy_sandbox.backends import bwrap_args as args
-from ivy_sandbox.backends import cgroups
+from ivy_sandbox.backends import cgroups, local_child
 from ivy_sandbox.backends import local_procs as procs
 from ivy_sandbox.backends.base import BackendError, ErrorCode, ExecRequest, ExecResult
 
 DRAIN_GRACE = 0.5  # after exit, wait this long for background holders of our pipes
 NS_GET_PARENT = 0xB702  # ioctl: the parent of a user namespace (linux/nsfs.h)
-
-
-class _Capture(asyncio.SubprocessProtocol):
-    """Keeps the first ``limit`` bytes of stdout/stderr and drains the rest, so the child
-    never blocks on a full pipe however much it writes."""
-
-    def __init__(self, limit: int) -> None:
-        loop = asyncio.get_running_loop()
-        self.limit = limit
-        self.streams = {1: bytearray(), 2: bytearray()}
-        self.truncated = False
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        buffer = self.streams[fd]
-        room = self.limit - len(buffer)
-        if len(data) > room:
-            self.truncated = True
-        if room > 0:
-            buffer += data[:room] if isinstance(data, bytes) else data[:room].encode()
-
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
-        if not self.closed.done():
-            self.closed.set_result(None)
 
 
 async def run(
@@ -116,86 +87,66 @@ async def _run(
 ) -> ExecResult:
     """One gated exec from spawn to result; on an error or a cancellation its whole tree is
     killed before we return, so nothing it started outlives the call unaccounted for."""
-    capture = _Capture(request.output_limit_bytes)
-    transport = await _spawn(argv, capture, pass_fds, setpriv)
+    child = _spawn(argv, request.output_limit_bytes, pass_fds, setpriv)
     try:
-        _release(transport, sandbox, targets, request.stdin)
-        timed_out = await _wait(transport, group, capture, request.timeout_seconds)
+        _release(child, sandbox, targets, request.stdin)
+        timed_out = await _wait(child, group, request.timeout_seconds)
     finally:
-        if not capture.exited.done():  # an error or cancellation: leave nothing behind
-            await _kill_exec(transport.get_pid(), group, capture.exited)
-        transport.close()
-    exit_code = 137 if timed_out else args.exit_code(transport.get_returncode())
+        if not child.exited.done():  # an error or cancellation: leave nothing behind
+            await _kill_exec(child.pid, group, child.exited)
+        child.close()
+    exit_code = 137 if timed_out else args.exit_code(child.returncode)
     if exit_code != 0 and not timed_out and not procs.is_running(sandbox):
         raise BackendError(ErrorCode.SANDBOX_EXITED, "the sandbox exited")
     return ExecResult(
         exit_code=exit_code,
-        stdout=bytes(capture.streams[1]),
-        stderr=bytes(capture.streams[2]),
+        stdout=bytes(child.streams[1]),
+        stderr=bytes(child.streams[2]),
         duration_ms=int((time.monotonic() - started) * 1000),
-        truncated=capture.truncated,
+        truncated=child.truncated,
         timed_out=timed_out,
     )
 
 
-async def _spawn(
-    argv: list[str], capture: _Capture, pass_fds: tuple[int, ...], setpriv: str | None
-) -> asyncio.SubprocessTransport:
-    """Start the gate (blocked on stdin) that will become ``argv``.
-
-    An asyncio subprocess, unlike the launch (which must outlive this loop): the protocol
-    reads both pipes on the loop, without a thread.
-    """
+def _spawn(
+    argv: list[str], limit: int, pass_fds: tuple[int, ...], setpriv: str | None
+) -> local_child.Child:
+    """Start the gate (blocked on stdin) that will become ``argv``."""
     if setpriv is not None:
         # Drop root's supplementary groups for the exec'd process. Done with setpriv, not
-        # the extra_groups= keyword: uvloop (what `serve` runs on) does not accept it.
+        # Popen's extra_groups=, which would rule out vfork (see local_child).
         argv = [setpriv, "--clear-groups", "--", *argv]
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.subprocess_exec(
-        lambda: capture,
-        *args.gated(argv, stdin_to_null=False),
-        env={"PATH": args.DEFAULT_PATH},
-        cwd="/",
-        start_new_session=True,
-        pass_fds=pass_fds,
-    )
-    return transport
+    gated = args.gated(argv, stdin_to_null=False)
+    return local_child.Child(gated, limit=limit, env={"PATH": args.DEFAULT_PATH}, pass_fds=pass_fds)
 
 
 def _release(
-    transport: asyncio.SubprocessTransport,
+    child: local_child.Child,
     sandbox: procs.Sandbox,
     targets: list[Path],
     stdin: bytes,
 ) -> None:
     """Place the gate in the sandbox's cgroups (and rlimits) before it can fork, then open
     it: its first line of stdin, followed by the command's stdin and EOF."""
-    pid = transport.get_pid()
     try:
-        cgroups.join(targets, pid)
-        cgroups.apply_rlimits(pid, sandbox.state.get("rlimits") or {})
+        cgroups.join(targets, child.pid)
+        cgroups.apply_rlimits(child.pid, sandbox.state.get("rlimits") or {})
     except OSError as error:
         raise BackendError(ErrorCode.SANDBOX_EXITED, f"sandbox cgroups: {error}") from None
-    # uvloop's pipe transports are not asyncio.WriteTransport subclasses; duck-type.
-    pipe = cast(asyncio.WriteTransport, transport.get_pipe_transport(0))
-    assert pipe is not None
-    pipe.write(b"go\n" + stdin)
-    pipe.write_eof()
+    child.feed(b"go\n" + stdin)
 
 
-async def _wait(
-    transport: asyncio.SubprocessTransport, group: Path | None, capture: _Capture, within: float
-) -> bool:
+async def _wait(child: local_child.Child, group: Path | None, within: float) -> bool:
     """Wait for the command (killing its tree after ``within`` seconds; returns whether it
     timed out), then at most DRAIN_GRACE for background processes holding our pipes."""
     timed_out = False
     try:
-        await asyncio.wait_for(asyncio.shield(capture.exited), within)
+        await asyncio.wait_for(asyncio.shield(child.exited), within)
     except TimeoutError:
         timed_out = True
-        await _kill_exec(transport.get_pid(), group, capture.exited)
+        await _kill_exec(child.pid, group, child.exited)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(capture.closed), DRAIN_GRACE)
+        await asyncio.wait_for(asyncio.shield(child.closed), DRAIN_GRACE)
     return timed_out
 
 
