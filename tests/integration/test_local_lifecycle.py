@@ -1,8 +1,8 @@
 """The whole lifecycle with real bubblewrap sandboxes, through the HTTP API and a worker.
 
 What a poller sees, exec, workspace persistence across stop/launch, isolation between chats,
-and a sandbox whose process dies. Backend-level details (limits, timeouts, escapes) are in
-tests/integration/test_local_backend.py.
+a sandbox whose process dies, and two workers sharing the launches. Backend-level details
+(limits, timeouts, escapes) are in tests/integration/test_local_backend.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import pytest
 
 from conftest import World, service_unavailable
 from fakes import WallClock
-from ivy_sandbox.backends.base import BackendError, SandboxBackend
+from ivy_sandbox.backends.base import BackendError, BackendState, SandboxBackend, SandboxSpec
 from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.workers.provisioner import Provisioner
 from ivy_sandbox.workers.steps import EngineSettings
 
 pytestmark = [pytest.mark.usefixtures("worker"), pytest.mark.both_loops]
@@ -213,3 +214,57 @@ def _pids_in(state: Any) -> list[int]:
         for value in state:
             found.extend(_pids_in(value))
     return found
+
+
+def record_starts(backend: SandboxBackend, worker: str, starts: list[tuple[str, str]]) -> None:
+    """A spy on ``backend.start``: which worker started which sandbox (it still starts it)."""
+    original = backend.start
+
+    async def start(spec: SandboxSpec) -> BackendState:
+        starts.append((worker, spec.sandbox_id))
+        return await original(spec)
+
+    backend.start = start  # type: ignore[method-assign]
+
+
+async def test_two_workers_with_real_sandboxes_never_drive_the_same_one(
+    client: httpx.AsyncClient,
+    world: World,
+    services: Services,
+    backend: SandboxBackend,
+    engine_settings: EngineSettings,
+    tmp_path: Path,
+) -> None:
+    """A second worker (its own backend on the same data dir, as a separate `ivy-sandbox
+    worker` process has) claims launches through the same leases: each sandbox is started
+    once, by one worker, and each chat ends with exactly one running sandbox."""
+    from ivy_sandbox.backends.local import LocalBackend
+
+    other_backend = LocalBackend(tmp_path / "data")
+    starts: list[tuple[str, str]] = []
+    record_starts(backend, "first", starts)
+    record_starts(other_backend, "second", starts)
+    second = Provisioner(
+        services.sandboxes,
+        other_backend,
+        services.clock,
+        engine_settings,
+        poll_interval=0.01,
+        monitor_interval=0.05,
+    )
+    await second.start()
+    try:
+        api = api_for(client, await world.key())
+        chats = [await world.chat() for _ in range(6)]
+        for chat in chats:
+            assert (await api("POST", chat)).status_code == 202
+        for chat in chats:
+            await until_active(api, chat)
+        started = [sandbox for _, sandbox in starts]
+        assert len(started) == len(set(started)) == len(chats), starts
+        assert len(await backend.list_sandboxes()) == len(chats)
+        for chat in chats:  # each one usable, whichever worker started it
+            assert (await run(api, chat, "true"))["exitCode"] == 0
+    finally:
+        await second.aclose()
+        await other_backend.aclose()
