@@ -163,3 +163,58 @@ def test_worker_killed_mid_launch_is_replaced_and_no_process_is_orphaned(
     finally:
         if first_worker.poll() is None:
             first_worker.kill()
+
+
+def sandbox_names(data_dir: Path) -> set[str]:
+    """The sandboxes (cgroup names) that have a live process under this data dir."""
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+    marker = f"/ivy-{digest}-"
+    names = set()
+    for pid in sandbox_pids(data_dir):
+        try:
+            text = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if marker in line:
+                names.add(line.split(marker, 1)[1].split("/", 1)[0])
+    return names
+
+
+def test_server_killed_while_launches_run_their_phases_recovers_every_one(
+    tmp_path: Path, cleanup: list[Server]
+) -> None:
+    """Not queued this time: a dozen launches at once, and kill -9 as soon as the first
+    sandbox process exists — the others are starting, mounting or probing. After the
+    restart each chat ends active (usable) or failed with a reason, and every sandbox
+    process left belongs to an active chat's sandbox; stopping them all leaves none."""
+    _require_bwrap()
+    server = started_server(tmp_path, {"IVY_MAX_SANDBOXES": "20"})
+    cleanup.append(server)
+    account = new_account(server)
+    chats = [account.chat]
+    chats += [server.admin("chats", "create", "--user", account.user) for _ in range(11)]
+    api = Api(server, account.key)
+    for chat in chats:
+        assert api.call("POST", chat).status_code == 202
+    until(lambda: sandbox_pids(server.data_dir), "a first sandbox process", 20)
+    assert server.process is not None
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait(timeout=10)
+
+    server.start()
+    outcomes = {chat: until(lambda c=chat: api.settled(c), f"{chat} to settle") for chat in chats}
+    for chat, outcome in outcomes.items():
+        detail = api.call("GET", chat).json()
+        if outcome == "failed":
+            assert detail["errorCode"], detail
+            assert detail["errorMessage"], detail
+            continue
+        ran = api.call("POST", chat, "/exec", json={"command": ["ls", "/workspace"]})
+        assert (ran.status_code, ran.json()["exitCode"]) == (200, 0), (chat, ran.text)
+    active = sum(outcome == "active" for outcome in outcomes.values())
+    # One live sandbox per active chat, none for a failed one (no orphan).
+    until(lambda: len(sandbox_names(server.data_dir)) == active, "orphans to be reaped", 15)
+    for chat in chats:
+        assert api.call("DELETE", chat).json() == {"status": "none"}
+    until(lambda: not sandbox_pids(server.data_dir), "every sandbox process to be gone", 10)
