@@ -19,6 +19,7 @@ from conftest import World
 from fakes import WallClock
 from ivy_sandbox.backends.fake import FakeBackend
 from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.domain.eta import seconds_until_ready
 from ivy_sandbox.domain.sandbox import Phase
 from ivy_sandbox.workers.provisioner import Provisioner
 from ivy_sandbox.workers.steps import EngineSettings
@@ -264,13 +265,23 @@ async def test_detail_record_has_timeline_ready_and_activity_times(api: Call) ->
 
 
 async def test_phase_statistics_are_stored_and_shape_the_next_eta(
-    api: Call, services: Services
+    api: Call, services: Services, backend: FakeBackend
 ) -> None:
     await api("POST")
     await wait_for(api, lambda b: b["status"] == "active")
     stats = await services.sandboxes.phase_stats("fake")
     assert set(stats) == {Phase.COMPUTE, Phase.MOUNT, Phase.READY}
     assert all(s.samples == 1 for s in stats.values())
+    # The next launch is estimated from what was stored (read back from the database by
+    # the driver), not from the priors: the first launch was far quicker than they say.
+    from_priors = seconds_until_ready("fake", Phase.COMPUTE, {})
+    from_stats = seconds_until_ready("fake", Phase.COMPUTE, stats)
+    assert from_stats < from_priors - 2
+    await api("DELETE")
+    backend.delays = {Phase.COMPUTE: 1.0}
+    await api("POST")
+    body = await wait_for(api, lambda b: "etaSeconds" in b and b.get("phase") == "compute")
+    assert abs(body["etaSeconds"] - from_stats) <= 1
 
 
 async def test_two_workers_never_drive_the_same_sandbox(
