@@ -143,7 +143,8 @@ def clerk_verifier(settings: Settings) -> ClerkVerifier:
 
 
 async def preflight(settings: Settings) -> None:
-    """Everything that can be wrong before serving: data dir, pepper, keys, database.
+    """Everything that can be wrong before serving: data dir, pepper, keys, database, and
+    (when this process drives launches) whether sandboxes can run on this host.
 
     ``serve`` runs this first so that a bad setting ends start-up with one clear line
     instead of a traceback from inside the server's lifespan.
@@ -152,6 +153,8 @@ async def preflight(settings: Settings) -> None:
     await clerk_verifier(settings).aclose()
     repository = await open_repository(settings)
     await repository.dispose()
+    if settings.run_worker:  # this process will start sandboxes: can it? (BackendError)
+        await make_backend(settings).aclose()
 
 
 async def build_services(

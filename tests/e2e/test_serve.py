@@ -265,6 +265,21 @@ def test_serve_with_an_unreachable_database_exits_1_with_one_line(tmp_path: Path
     assert result.stderr.startswith("error: cannot reach the database")
 
 
+def test_serve_where_sandboxes_cannot_run_exits_2_with_one_line_saying_why(
+    tmp_path: Path,
+) -> None:
+    """No util-linux on PATH (nsenter & co.): the in-process worker could never launch
+    anything, so serve refuses to start, in one line, instead of failing every launch."""
+    result = serve_until_exit(
+        tmp_path, {"PATH": str(tmp_path / "empty"), "IVY_SANDBOX_BACKEND": "local"}
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: sandboxes cannot run on this host: ")
+    assert "nsenter" in result.stderr
+
+
 # -- PostgreSQL (+ Redis) --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def postgres_database() -> Iterator[str]:

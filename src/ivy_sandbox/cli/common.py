@@ -9,6 +9,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from ivy_sandbox.backends.base import BackendError
 from ivy_sandbox.config import Settings, load_settings
 from ivy_sandbox.errors import ApiError, ConfigurationError
 from ivy_sandbox.storage.repository import Repository
@@ -52,6 +53,8 @@ def run_or_fail(coroutine: Coroutine[Any, Any, T]) -> T:
         fail(exc.detail)
     except ConfigurationError as exc:
         fail(str(exc), 2)
+    except BackendError as exc:  # e.g. bubblewrap cannot run here: not a setting, but fatal
+        fail(f"sandboxes cannot run on this host: {exc.message}", 2)
     except OSError as exc:
         fail(f"cannot reach the database: {exc.strerror or exc}")
     except Exception as exc:
