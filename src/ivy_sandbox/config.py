@@ -100,7 +100,9 @@ class Settings(BaseSettings):
     run_worker: bool = True  # serve drives launches in-process; false when using `worker`
     # How often an open SSE stream sends a keep-alive comment, and how often it and a waiting
     # long-poll check their credential again (a revoked key ends them within this + 5 s).
-    watch_keepalive_seconds: float = Field(default=15.0, ge=0.1, le=60.0)
+    # At most 15 s: the events contract promises a keep-alive at least that often (proxies
+    # and browsers drop a silent stream); small values are for tests.
+    watch_keepalive_seconds: float = Field(default=15.0, ge=0.1, le=15.0)
 
     @field_validator("sandbox_memory")
     @classmethod

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +19,16 @@ import httpx
 import pytest
 
 from conftest import World
-from fakes import WallClock
+from fakes import FakeClock, WallClock
+from ivy_sandbox.auth.credentials import Credential, CredentialType
+from ivy_sandbox.auth.principal import Principal
 from ivy_sandbox.backends.fake import FakeBackend
 from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.domain.sandbox import Phase
 from ivy_sandbox.errors import AuthenticationFailed
 from ivy_sandbox.events import PostgresEventBus
 from ivy_sandbox.services import watch
+from ivy_sandbox.services.watch import Watching
 
 pytestmark = pytest.mark.usefixtures("worker")
 
@@ -233,3 +241,147 @@ async def test_a_change_made_by_a_worker_process_reaches_a_waiting_client_throug
         worker.terminate()
         worker.wait(timeout=10)
         await bus.aclose()
+
+
+# -- keep-alives and credential checks stay on time when wake-ups change nothing ---------------
+INTERVAL = 1.0  # the keep-alive interval under test, in the scripted clock's seconds
+SPURIOUS_EVERY = 0.9 * INTERVAL  # wake-ups just short of the interval: the worst case
+
+
+class SpuriousWakeups:
+    """A subscription that wakes every ``every`` seconds of a :class:`FakeClock` without any
+    change behind it (a coalesced or duplicated notification, a NOTIFY from a reconnect).
+
+    ``wait`` advances the fake clock instead of sleeping, so the schedule the watch keeps is
+    exact and the test measures it without depending on how fast this machine is."""
+
+    def __init__(self, clock: FakeClock, every: float) -> None:
+        self.clock = clock
+        self.every = every
+        self.next_wakeup = clock.monotonic() + every
+
+    async def wait(self, seconds: float) -> bool:
+        now = self.clock.monotonic()
+        if self.next_wakeup <= now + seconds:
+            self.clock.advance(max(0.0, self.next_wakeup - now))
+            self.next_wakeup += self.every
+            return True
+        self.clock.advance(seconds)
+        return False
+
+
+class SpuriousBus:
+    """An event bus whose every subscription is :class:`SpuriousWakeups`."""
+
+    cross_process = False
+
+    def __init__(self, clock: FakeClock, every: float) -> None:
+        self.clock = clock
+        self.every = every
+
+    async def in_transaction(self, conn: Any, chat_id: str) -> None:
+        return None
+
+    def after_commit(self, chat_id: str) -> None:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, chat_id: str) -> AsyncIterator[SpuriousWakeups]:
+        yield SpuriousWakeups(self.clock, self.every)
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.fixture
+def scripted_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def spurious_watching(services: Services, scripted_clock: FakeClock) -> Watching:
+    """The real repository and limiter; a scripted clock and bus; no periodic re-check
+    (so only the spurious wake-ups and the keep-alive deadline end a wait)."""
+    return dataclasses.replace(
+        services.watching,
+        bus=SpuriousBus(scripted_clock, SPURIOUS_EVERY),  # type: ignore[arg-type]
+        clock=scripted_clock,
+        recheck_seconds=60 * INTERVAL,
+    )
+
+
+@pytest.fixture
+async def quiet_chat(world: World) -> str:
+    """A provisioning sandbox that nothing changes: its lease belongs to a worker elsewhere,
+    so this module's worker leaves it alone."""
+    chat = await world.chat()
+    await world.sandbox(
+        chat,
+        "provisioning",
+        "compute",
+        lease_owner="elsewhere.example:1:abcd",
+        lease_expires_at=world.clock.now() + timedelta(hours=1),
+    )
+    return chat
+
+
+@pytest.fixture
+async def principal(services: Services, world: World) -> Principal:
+    key = await world.key()
+    return await services.authenticator.authenticate(Credential(CredentialType.API_KEY, key))
+
+
+async def test_sse_keepalives_come_every_interval_even_when_wakeups_change_nothing(
+    spurious_watching: Watching, scripted_clock: FakeClock, quiet_chat: str, principal: Principal
+) -> None:
+    async def still_valid() -> None:
+        return None
+
+    stream = await watch.status_stream(
+        spurious_watching,
+        principal,
+        quiet_chat,
+        still_authenticated=still_valid,
+        keepalive_seconds=INTERVAL,
+    )
+    written: list[tuple[float, str]] = []
+    async for chunk in stream:
+        written.append((scripted_clock.monotonic(), chunk))
+        if sum(c.startswith(": keep-alive") for _, c in written) == 6:
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+
+    assert written[0][1] == "retry: 2000\n\n"
+    assert "event: status" in written[1][1]
+    gaps = [b - a for a, b in itertools.pairwise(at for at, _ in written[1:])]
+    assert all(chunk.startswith(": keep-alive") for _, chunk in written[2:])
+    # Old behaviour: each spurious wake-up restarted the interval, so gaps were 1.8 intervals.
+    assert max(gaps) <= INTERVAL + 1e-6, gaps
+
+
+async def test_long_poll_credential_checks_keep_their_cadence_when_wakeups_change_nothing(
+    spurious_watching: Watching, scripted_clock: FakeClock, quiet_chat: str, principal: Principal
+) -> None:
+    checks: list[float] = []
+
+    async def still_valid() -> None:
+        checks.append(scripted_clock.monotonic())
+
+    started = scripted_clock.monotonic()
+    body, _ = await watch.wait_for_change(
+        spurious_watching,
+        principal,
+        quiet_chat,
+        since=None,
+        wait_seconds=10 * INTERVAL,
+        still_authenticated=still_valid,
+        keepalive_seconds=INTERVAL,
+    )
+    assert body["status"] == "provisioning"
+    assert scripted_clock.monotonic() - started == pytest.approx(10 * INTERVAL)
+    gaps = [b - a for a, b in zip([started, *checks], checks, strict=False)]
+    assert len(checks) >= 9
+    assert max(gaps) <= INTERVAL + 1e-6, gaps

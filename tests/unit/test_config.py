@@ -141,6 +141,22 @@ def test_a_zero_rate_limit_is_rejected(monkeypatch: pytest.MonkeyPatch, variable
     assert config_error(monkeypatch, **{variable: "0/minute"}).startswith(f"{variable}: ")
 
 
+def test_a_keepalive_interval_above_the_promised_15_seconds_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    message = config_error(monkeypatch, IVY_WATCH_KEEPALIVE_SECONDS="16")
+    assert message.startswith("IVY_WATCH_KEEPALIVE_SECONDS: "), message
+    assert "15" in message  # says what the limit is
+
+
+@pytest.mark.parametrize("value", ["15", "0.1"])
+def test_keepalive_intervals_up_to_15_seconds_are_accepted(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("IVY_WATCH_KEEPALIVE_SECONDS", value)
+    assert load_settings().watch_keepalive_seconds == float(value)
+
+
 def test_two_bad_settings_still_give_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     message = config_error(monkeypatch, IVY_RATE_LIMIT="lots", IVY_REDIS_URL="http://x")
     assert "\n" not in message

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from ivy_sandbox.domain.sandbox import StatusBody
+
 
 class Problem(BaseModel):
     """An error body (RFC 9457 problem details) with a stable ``code``."""
@@ -51,30 +53,108 @@ PROBLEM_RESPONSES: dict[int, dict[str, Any]] = {
 }
 
 
+# -- examples for the sandbox operations -----------------------------------------------------
+# Realistic bodies, one per state a client must handle: the OpenAPI document is the first
+# thing an integrator reads, and an example per state shows which fields come with which.
+EXAMPLE_CREATED_AT = "2026-11-29T10:02:02.571Z"
+STATUS_EXAMPLES: dict[str, dict[str, Any]] = {
+    "provisioning": {
+        "summary": "Launching: the workspace is being mounted",
+        "value": {
+            "status": "provisioning",
+            "phase": "mount",
+            "etaSeconds": 4,
+            "createdAt": EXAMPLE_CREATED_AT,
+        },
+    },
+    "active": {
+        "summary": "Ready to run commands",
+        "value": {"status": "active", "phase": "ready", "createdAt": EXAMPLE_CREATED_AT},
+    },
+    "failed": {
+        "summary": "The launch failed",
+        "value": {
+            "status": "failed",
+            "phase": "failed",
+            "errorMessage": "mount: the workspace could not be attached at /workspace",
+            "createdAt": EXAMPLE_CREATED_AT,
+        },
+    },
+    "none": {"summary": "The chat has no sandbox", "value": {"status": "none"}},
+}
+
+
+def status_response(description: str, *states: str) -> dict[str, Any]:
+    """A documented status-body response (for ``responses=``) with an example of each of
+    ``states`` — the ones this operation can actually answer with."""
+    return {
+        "model": StatusBody,
+        "description": description,
+        "content": {"application/json": {"examples": {s: STATUS_EXAMPLES[s] for s in states}}},
+    }
+
+
+EXAMPLE_EVENT_STREAM = (
+    "retry: 2000\n\n"
+    "id: b3b3fe8e1ffd2ca3\nevent: status\n"
+    'data: {"status":"provisioning","phase":"compute","etaSeconds":6,'
+    f'"createdAt":"{EXAMPLE_CREATED_AT}"}}\n\n'
+    ": keep-alive\n\n"
+    "id: f2b6e59761c37e2c\nevent: status\n"
+    'data: {"status":"provisioning","phase":"mount","etaSeconds":4,'
+    f'"createdAt":"{EXAMPLE_CREATED_AT}"}}\n\n'
+    "id: 79536a9a99ab492f\nevent: status\n"
+    f'data: {{"status":"active","phase":"ready","createdAt":"{EXAMPLE_CREATED_AT}"}}\n\n'
+)
+
+EXAMPLE_EXEC_BODY: dict[str, Any] = {
+    "command": ["python", "-c", "import sys; print(sys.stdin.read().upper())"],
+    "timeoutSeconds": 30,
+    "cwd": "/workspace",
+    "env": {"PYTHONUNBUFFERED": "1"},
+    "stdin": "hello from the workspace",
+}
+EXAMPLE_EXEC_RESPONSE: dict[str, Any] = {
+    "exitCode": 0,
+    "stdout": "HELLO FROM THE WORKSPACE\n",
+    "stderr": "",
+    "durationMs": 48,
+    "truncated": False,
+    "timedOut": False,
+}
+
+
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class ExecBody(BaseModel):
     """A command to run in the chat's active sandbox."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "json_schema_extra": {"examples": [EXAMPLE_EXEC_BODY]}}
 
     command: list[Annotated[str, Field(max_length=65536)]] = Field(
         min_length=1,
         max_length=4096,
         description="Program and arguments (no shell unless you run one).",
-        examples=[["ls", "-la", "/workspace"]],
+        examples=[EXAMPLE_EXEC_BODY["command"]],
     )
     timeoutSeconds: float = Field(  # noqa: N815 - wire name
         default=60.0,
         gt=0,
         description="Kill the command (and everything it started) after this many seconds.",
+        examples=[EXAMPLE_EXEC_BODY["timeoutSeconds"]],
     )
-    cwd: str = Field(default="/workspace", pattern=r"^/", max_length=4096)
+    cwd: str = Field(
+        default="/workspace", pattern=r"^/", max_length=4096, examples=[EXAMPLE_EXEC_BODY["cwd"]]
+    )
     env: dict[Annotated[str, Field(pattern=ENV_NAME, max_length=256)], str] = Field(
-        default_factory=dict, max_length=256
+        default_factory=dict, max_length=256, examples=[EXAMPLE_EXEC_BODY["env"]]
     )
-    stdin: str = Field(default="", description="Text written to the command's standard input.")
+    stdin: str = Field(
+        default="",
+        description="Text written to the command's standard input.",
+        examples=[EXAMPLE_EXEC_BODY["stdin"]],
+    )
 
     @field_validator("command", "env", "cwd", "stdin")
     @classmethod
@@ -88,6 +168,8 @@ class ExecBody(BaseModel):
 
 
 class ExecResponse(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [EXAMPLE_EXEC_RESPONSE]}}
+
     exitCode: int = Field(description="Exit status; 128+N when killed by signal N")  # noqa: N815
     stdout: str = Field(description="Standard output (UTF-8, invalid bytes replaced)")
     stderr: str
@@ -99,7 +181,11 @@ class ExecResponse(BaseModel):
 class PhaseEntry(BaseModel):
     phase: Literal["compute", "mount", "ready"]
     startedAt: datetime  # noqa: N815
-    endedAt: datetime | None  # noqa: N815
+    # Not required in the schema although the server always sends it: FastAPI drops nulls
+    # from the document's examples, and the example of a running phase must still validate.
+    endedAt: datetime | None = Field(  # noqa: N815
+        default=None, description="null while the phase is running"
+    )
 
 
 class Waiting(BaseModel):
@@ -107,8 +193,56 @@ class Waiting(BaseModel):
     queuePosition: int = Field(ge=1)  # noqa: N815
 
 
+def _phase(phase: str, started: str, ended: str | None) -> dict[str, Any]:
+    return {"phase": phase, "startedAt": f"2026-11-29T10:{started}Z", "endedAt": ended}
+
+
+EXAMPLE_SANDBOX_ID = "sbx_9fLx2QpT7vWm4RkZc8Yd"
+SANDBOX_DETAIL_EXAMPLES: list[dict[str, Any]] = [
+    {  # active: the whole timeline, closed
+        "status": "active",
+        "phase": "ready",
+        "createdAt": EXAMPLE_CREATED_AT,
+        "sandboxId": EXAMPLE_SANDBOX_ID,
+        "backend": "local",
+        "phases": [
+            _phase("compute", "02:02.571", "2026-11-29T10:02:03.210Z"),
+            _phase("mount", "02:03.210", "2026-11-29T10:02:04.032Z"),
+            _phase("ready", "02:04.032", "2026-11-29T10:02:04.498Z"),
+        ],
+        "readyAt": "2026-11-29T10:02:04.498Z",
+        "lastActivityAt": "2026-11-29T10:07:41.120Z",
+    },
+    {  # queued: no ETA while it waits for a slot
+        "status": "provisioning",
+        "phase": "compute",
+        "createdAt": EXAMPLE_CREATED_AT,
+        "sandboxId": EXAMPLE_SANDBOX_ID,
+        "backend": "local",
+        "phases": [_phase("compute", "02:02.571", None)],
+        "waiting": {"reason": "capacity", "queuePosition": 2},
+    },
+    {  # failed: errorCode is the stable part, errorMessage the readable one
+        "status": "failed",
+        "phase": "failed",
+        "errorMessage": "mount: the workspace could not be attached at /workspace",
+        "createdAt": EXAMPLE_CREATED_AT,
+        "sandboxId": EXAMPLE_SANDBOX_ID,
+        "backend": "local",
+        "errorCode": "mount_failed",
+        "phases": [
+            _phase("compute", "02:02.571", "2026-11-29T10:02:03.210Z"),
+            _phase("mount", "02:03.210", "2026-11-29T10:02:08.215Z"),
+        ],
+    },
+    {"status": "none"},
+]
+
+
 class SandboxDetail(BaseModel):
     """The full record of the chat's sandbox: the status fields and the story behind them."""
+
+    model_config = {"json_schema_extra": {"examples": [*SANDBOX_DETAIL_EXAMPLES]}}
 
     status: Literal["none", "provisioning", "active", "failed"]
     phase: Literal["compute", "mount", "ready", "failed"] | None = None

@@ -83,6 +83,14 @@ async def _read(
     return access.sandbox, state_token(access.sandbox)
 
 
+def _seconds_until(watching: Watching, deadline: float) -> float:
+    """How long to sleep to be awake by ``deadline``, and to look again at least every
+    ``recheck_seconds``. Sleeping towards a fixed deadline (not a fresh interval after every
+    wake-up) is what keeps a keep-alive or credential check on time when events arrive that
+    change nothing visible: restarting the interval made them up to twice as late."""
+    return max(0.0, min(deadline - watching.clock.monotonic(), watching.recheck_seconds))
+
+
 async def wait_for_change(
     watching: Watching,
     principal: Principal,
@@ -103,23 +111,15 @@ async def wait_for_change(
     async with watching.bus.subscribe(chat_id) as subscription:
         snapshot, token = await _read(watching, principal, chat_id)
         baseline = since if since is not None else token
-        checked_at = watching.clock.monotonic()
-        loop_deadline = checked_at + min(wait_seconds, MAX_WAIT_SECONDS)
-        while token == baseline:
-            tick = watching.clock.monotonic()
-            remaining = loop_deadline - tick
-            if remaining <= 0:
-                break
-            timeout = min(remaining, watching.recheck_seconds)
-            if still_authenticated is not None:
-                timeout = min(timeout, max(0.0, checked_at + keepalive_seconds - tick))
-            await subscription.wait(timeout)
-            if (
-                still_authenticated is not None
-                and watching.clock.monotonic() - checked_at >= keepalive_seconds
-            ):
+        clock = watching.clock
+        answer_by = clock.monotonic() + min(wait_seconds, MAX_WAIT_SECONDS)
+        check_due = clock.monotonic() + keepalive_seconds
+        while token == baseline and clock.monotonic() < answer_by:
+            due = answer_by if still_authenticated is None else min(answer_by, check_due)
+            await subscription.wait(_seconds_until(watching, due))
+            if still_authenticated is not None and clock.monotonic() >= check_due:
                 await still_authenticated()  # AuthenticationFailed ends the wait: a 401
-                checked_at = watching.clock.monotonic()
+                check_due = clock.monotonic() + keepalive_seconds
             snapshot, token = await _read(watching, principal, chat_id)
     return status_body(snapshot, watching.clock.now()), token
 
@@ -165,17 +165,18 @@ async def _stream(
             if body["status"] in TERMINAL:
                 return
             sent = token
-            quiet_since = watching.clock.monotonic()
+            # Measured from the last write: a wake-up that changed nothing must not restart it.
+            keepalive_due = watching.clock.monotonic() + keepalive_seconds
             while token == sent:
-                await subscription.wait(min(keepalive_seconds, watching.recheck_seconds))
-                if watching.clock.monotonic() - quiet_since >= keepalive_seconds:
+                await subscription.wait(_seconds_until(watching, keepalive_due))
+                if watching.clock.monotonic() >= keepalive_due:
                     try:
                         await still_authenticated()
                     except AuthenticationFailed:
                         yield 'event: error\ndata: {"code":"unauthenticated"}\n\n'
                         return
                     yield ": keep-alive\n\n"
-                    quiet_since = watching.clock.monotonic()
+                    keepalive_due = watching.clock.monotonic() + keepalive_seconds
                 try:
                     snapshot, token = await _read(watching, principal, chat_id)
                 except PermissionDenied:

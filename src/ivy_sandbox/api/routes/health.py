@@ -16,6 +16,22 @@ from ivy_sandbox.services import health
 
 router = APIRouter(tags=["operations"])
 
+# An excerpt of a real scrape, so an operator sees the metric names and labels up front.
+METRICS_EXAMPLE = """\
+# HELP ivy_http_requests_total HTTP requests answered, by route template, method and status code.
+# TYPE ivy_http_requests_total counter
+ivy_http_requests_total{code="200",method="GET",route="/v1/sandbox/{chatId}/status"} 1523.0
+ivy_http_requests_total{code="202",method="POST",route="/v1/sandbox/{chatId}"} 41.0
+# HELP ivy_launches_total Launches driven to an end by this process, by outcome and errorCode.
+# TYPE ivy_launches_total counter
+ivy_launches_total{error_code="",outcome="active"} 39.0
+ivy_launches_total{error_code="mount_failed",outcome="failed"} 2.0
+# HELP ivy_sandboxes Sandboxes by status, read from the database at scrape time.
+# TYPE ivy_sandboxes gauge
+ivy_sandboxes{status="active"} 12.0
+ivy_sandboxes{status="provisioning"} 1.0
+"""
+
 
 @router.get(
     "/healthz",
@@ -72,7 +88,12 @@ async def readyz(services: ServicesDep) -> JSONResponse:
     ),
     operation_id="metrics",
     response_class=Response,
-    responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    responses={
+        200: {
+            "description": "Prometheus text format",
+            "content": {"text/plain": {"schema": {"type": "string"}, "example": METRICS_EXAMPLE}},
+        }
+    },
 )
 async def metrics(request: Request, services: ServicesDep) -> Response:
     expected = services.settings.metrics_token

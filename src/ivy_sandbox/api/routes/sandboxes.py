@@ -10,9 +10,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 from ivy_sandbox.api.deps import CurrentPrincipal, ServicesDep, reauthenticate
-from ivy_sandbox.api.schemas import PROBLEM_RESPONSES, ExecBody, ExecResponse, SandboxDetail
+from ivy_sandbox.api.schemas import (
+    EXAMPLE_EVENT_STREAM,
+    PROBLEM_RESPONSES,
+    ExecBody,
+    ExecResponse,
+    SandboxDetail,
+    status_response,
+)
 from ivy_sandbox.backends.base import ExecRequest
-from ivy_sandbox.domain.sandbox import StatusBody
 from ivy_sandbox.services import sandboxes, watch
 from ivy_sandbox.services.watch import MAX_WAIT_SECONDS
 
@@ -38,7 +44,7 @@ ChatIdPath = Annotated[
 ]
 
 STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": StatusBody, "description": "Current sandbox state"},
+    200: status_response("Current sandbox state", "provisioning", "active", "failed", "none"),
     401: PROBLEM_RESPONSES[401],
     403: PROBLEM_RESPONSES[403],
     429: PROBLEM_RESPONSES[429],
@@ -138,7 +144,9 @@ async def get_sandbox_status(
     responses={
         200: {
             "description": "A stream of status events",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {
+                "text/event-stream": {"schema": {"type": "string"}, "example": EXAMPLE_EVENT_STREAM}
+            },
         },
         401: PROBLEM_RESPONSES[401],
         403: PROBLEM_RESPONSES[403],
@@ -217,7 +225,7 @@ async def exec_in_sandbox(
     operation_id="keepSandboxAlive",
     response_class=JSONResponse,
     responses={
-        200: {"model": StatusBody, "description": "Current sandbox state"},
+        200: status_response("Current sandbox state", "active"),
         **SANDBOX_RESPONSES,
         409: PROBLEM_RESPONSES[409],
     },
@@ -241,7 +249,7 @@ async def keep_sandbox_alive(
     status_code=202,
     response_class=JSONResponse,
     responses={
-        202: {"model": StatusBody, "description": "Current sandbox state"},
+        202: status_response("Current sandbox state", "provisioning", "active"),
         **SANDBOX_RESPONSES,
     },
 )
@@ -259,7 +267,7 @@ async def launch_sandbox(
     operation_id="stopSandbox",
     response_class=JSONResponse,
     responses={
-        200: {"model": StatusBody, "description": "Current sandbox state"},
+        200: status_response("The chat has no sandbox any more", "none"),
         **SANDBOX_RESPONSES,
     },
 )
