@@ -84,25 +84,12 @@ def media_types(operation: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
             yield f"{code} {name}", media
 
 
-# FastAPI encodes the document with ``exclude_none``, which deletes every null from the
-# examples too: these account examples show a required-but-null field (``revokedAt`` of a live
-# key, ``nextCursor`` of a last page) and lose it. The fix belongs where the document is built
-# (``ivy_sandbox.api.app._openapi``); until then they are checked by the strict xfail below,
-# which fails as soon as they validate, so this list cannot outlive the bug.
-NULLS_DROPPED_BY_FASTAPI = {
-    ("/v1/chats", "get"),
-    ("/v1/api-keys", "get"),
-    ("/v1/api-keys", "post"),
-}
-
-
-def invalid_examples(document: Document, *, known_broken: bool) -> list[Any]:
-    """(where, example, errors) for every example that does not validate: in the operations
-    of ``NULLS_DROPPED_BY_FASTAPI`` if ``known_broken``, else in all the others."""
+def invalid_examples(document: Document) -> list[Any]:
+    """(where, example, errors) for every example that does not validate. FastAPI drops
+    nulls from examples while it builds the document; ``app._restore_model_examples`` puts
+    them back (a page's ``nextCursor: null``, a live key's ``revokedAt: null``)."""
     invalid = []
     for path, method, operation in operations(document):
-        if ((path, method) in NULLS_DROPPED_BY_FASTAPI) != known_broken:
-            continue
         for where, media in media_types(operation):
             check = validator(document, media.get("schema", {}))
             for example in examples(document, media):
@@ -146,14 +133,7 @@ def test_every_request_body_has_an_example(document: Document) -> None:
 
 
 def test_every_example_is_valid_against_the_schema_it_illustrates(document: Document) -> None:
-    assert not invalid_examples(document, known_broken=False)
-
-
-@pytest.mark.xfail(
-    strict=True, reason="FastAPI drops nulls from examples; fix in ivy_sandbox.api.app._openapi"
-)
-def test_account_examples_with_required_nulls_are_valid_too(document: Document) -> None:
-    assert not invalid_examples(document, known_broken=True)
+    assert not invalid_examples(document)
 
 
 def test_the_status_examples_show_every_state_a_client_must_handle(document: Document) -> None:

@@ -10,9 +10,11 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 import ivy_sandbox
+from ivy_sandbox.api import schemas as api_schemas
 from ivy_sandbox.api.fast_status import FastStatus
 from ivy_sandbox.api.middleware import BodyLimitMiddleware, SecurityHeadersMiddleware
 from ivy_sandbox.api.observability import ObservabilityMiddleware
@@ -66,8 +68,20 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     schemas["Problem"] = Problem.model_json_schema()
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    _restore_model_examples(schemas)
     app.openapi_schema = schema
     return schema
+
+
+def _restore_model_examples(components: dict[str, Any]) -> None:
+    """FastAPI drops ``null`` values from examples while it builds the document, so an
+    example with a required nullable field (``nextCursor: null``) would no longer validate
+    against its own schema: put each model's examples back as the model declares them."""
+    for name, model in vars(api_schemas).items():
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        if name in components and "examples" in components[name]:
+            components[name]["examples"] = model.model_json_schema()["examples"]
 
 
 def _mounted_routers() -> list[tuple[str, APIRouter]]:
