@@ -12,6 +12,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from limits import parse_many
 from pydantic import Field, ValidationError, field_validator
@@ -130,6 +131,19 @@ class Settings(BaseSettings):
     @classmethod
     def _valid_rate_limit(cls, value: str) -> str:
         return _check_rate_limit(value)
+
+    @field_validator("clerk_jwks_url")
+    @classmethod
+    def _jwks_url(cls, value: str | None) -> str | None:
+        """Checked at start-up: a typo here would otherwise surface as 401s for everyone."""
+        if value is None:
+            return None
+        parsed = urlsplit(value.strip())
+        if parsed.scheme not in ("https", "http") or not parsed.hostname:
+            raise ValueError(
+                "must be an http(s) URL, e.g. https://<your-app>.clerk.accounts.dev/.well-known/jwks.json"
+            )
+        return value.strip()
 
     @field_validator("clerk_authorized_parties", mode="before")
     @classmethod

@@ -120,6 +120,9 @@ BAD_SETTINGS = [
     ("IVY_REDIS_URL", "http://cache:6379"),
     ("IVY_REDIS_URL", "cache:6379"),
     ("IVY_CLERK_JWT_KEY", "not a key"),
+    ("IVY_CLERK_JWKS_URL", "not a url"),
+    ("IVY_CLERK_JWKS_URL", "clerk.example/.well-known/jwks.json"),
+    ("IVY_CLERK_JWKS_URL", "ftp://clerk.example/jwks.json"),
     ("IVY_CLERK_JWT_KEY", "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----"),
 ]
 
