@@ -2,7 +2,8 @@
 
 It is a test double. It ships for one purpose besides tests: ``IVY_SANDBOX_BACKEND=latency-fake``
 lets benchmarks measure the control plane with injected, realistic phase times and no real
-sandboxes. It must never be mistaken for isolation — ``exec`` refuses to run anything.
+sandboxes. It must never be mistaken for isolation — ``exec`` runs nothing: it echoes the
+command back (for API plumbing tests).
 """
 
 from __future__ import annotations
