@@ -201,7 +201,7 @@ def test_follow_of_a_chat_without_sandbox_prints_none_and_exits_3(
     server: Server, account: Account
 ) -> None:
     result = cli(server, account, "status", account.chat, "--follow")
-    assert (result.returncode, result.stdout) == (3, '{"status": "none"}\n')
+    assert (result.returncode, result.stdout) == (3, '{"status":"none"}\n')
     assert "has no sandbox" in result.stderr
 
 
@@ -209,7 +209,7 @@ def test_status_without_follow_still_prints_only_the_value(
     server: Server, account: Account
 ) -> None:
     assert cli(server, account, "status", account.chat).stdout == "none\n"
-    assert cli(server, account, "status", account.chat, "--json").stdout == '{"status": "none"}\n'
+    assert cli(server, account, "status", account.chat, "--json").stdout == '{"status":"none"}\n'
 
 
 # -- status --follow, on a terminal ----------------------------------------------------------

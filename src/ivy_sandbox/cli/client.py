@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -9,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from ivy_sandbox.cli.common import JsonFlag, emit, fail
+from ivy_sandbox.cli.common import JsonFlag, fail
 from ivy_sandbox.cli.progress import Display, display_for
 
 T = TypeVar("T")
@@ -89,7 +90,7 @@ def launch(
             console = Console(stderr=True)
             display = display_for(stream=sys.stderr, console=console, json_lines=False)
             body = _watch(ivy, chat_id, timeout, display)
-    emit(str(body["status"]), as_json, body)
+    emit_status(body, as_json)
 
 
 def status(
@@ -115,7 +116,7 @@ def status(
             _watch(ivy, chat_id, timeout, display)
             return
         body = _client_call(lambda: ivy.sandbox.status(chat_id))
-    emit(str(body["status"]), as_json, body)
+    emit_status(body, as_json)
 
 
 def stop(
@@ -124,7 +125,7 @@ def stop(
     """Stop the chat's sandbox (the workspace is kept); prints `none`."""
     with _client() as ivy:
         body = _client_call(lambda: ivy.sandbox.stop(chat_id))
-    emit(str(body["status"]), as_json, body)
+    emit_status(body, as_json)
 
 
 def exec_command(
@@ -154,3 +155,9 @@ def register(app: typer.Typer) -> None:
     app.command(
         "exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
     )(exec_command)
+
+
+def emit_status(body: dict[str, Any], as_json: bool) -> None:
+    """The status value, or with --json the body exactly as the server sent it (compact,
+    keys in the server's order)."""
+    typer.echo(json.dumps(body, separators=(",", ":")) if as_json else str(body["status"]))

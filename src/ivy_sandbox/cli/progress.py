@@ -82,7 +82,7 @@ class JsonLines(_Lines):
     """Each status body as one JSON line (the same encoding as ``--json``)."""
 
     def line(self, body: Any) -> str:
-        return json.dumps(body)
+        return json.dumps(body, separators=(",", ":"))  # the server's bytes, exactly
 
 
 class TextLines(_Lines):
