@@ -27,6 +27,7 @@ from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.domain.sandbox import Phase
 from ivy_sandbox.errors import AuthenticationFailed
 from ivy_sandbox.events import PostgresEventBus
+from ivy_sandbox.ratelimit import RateLimiter, make_storage
 from ivy_sandbox.services import watch
 from ivy_sandbox.services.watch import Watching
 
@@ -83,6 +84,47 @@ async def test_sse_on_a_chat_without_sandbox_sends_none_and_ends(
     key, chat = await world.key(), await world.chat()
     response = await client.get(f"/v1/sandbox/{chat}/events", headers={"X-Ivy-Api-Key": key})
     assert parse_sse(response.text) == [{"id": "none", "status": "none"}]
+
+
+async def test_sse_on_a_failed_sandbox_sends_the_failure_and_ends(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    key, chat = await world.key(), await world.chat()
+    await world.sandbox(
+        chat, "failed", "failed", error_code="mount_failed", error_message="mount: no disk"
+    )
+    response = await client.get(f"/v1/sandbox/{chat}/events", headers={"X-Ivy-Api-Key": key})
+    events = parse_sse(response.text)  # the stream ended: the whole response is here
+    assert len(events) == 1
+    assert (events[0]["status"], events[0]["phase"]) == ("failed", "failed")
+    assert events[0]["errorMessage"] == "mount: no disk"
+
+
+async def test_sse_over_the_chat_rate_limit_is_an_ordinary_429_with_retry_after(
+    client: httpx.AsyncClient, world: World, services: Services
+) -> None:
+    services.limiter = RateLimiter(
+        make_storage(None), per_user="1000/minute", per_chat="2/minute", auth_failures="1000/minute"
+    )
+    key, chat = await world.key(), await world.chat()
+    headers = {"X-Ivy-Api-Key": key}
+    answers = [await client.get(f"/v1/sandbox/{chat}/events", headers=headers) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert int(answers[2].headers["retry-after"]) >= 1
+    assert answers[2].json()["code"] == "rate_limited"
+
+
+async def test_sse_with_a_project_scoped_key_sees_its_project_only(
+    client: httpx.AsyncClient, world: World
+) -> None:
+    project = await world.project()
+    key = await world.key(project_id=project)
+    inside, outside = await world.chat(project_id=project), await world.chat()
+    headers = {"X-Ivy-Api-Key": key}
+    allowed = await client.get(f"/v1/sandbox/{inside}/events", headers=headers)
+    assert (allowed.status_code, parse_sse(allowed.text)[0]["status"]) == (200, "none")
+    denied = await client.get(f"/v1/sandbox/{outside}/events", headers=headers)
+    assert (denied.status_code, denied.json()["code"]) == (403, "forbidden")
 
 
 async def test_sse_refusals_are_ordinary_401_and_403_responses(
