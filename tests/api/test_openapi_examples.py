@@ -157,3 +157,8 @@ def test_the_event_stream_example_carries_valid_status_bodies(document: Document
     assert all(check.is_valid(body) for body in bodies), bodies
     assert bodies[-1]["status"] == "active"  # a stream ends at a terminal state
     assert ": keep-alive" in stream.splitlines()
+
+
+def test_the_long_poll_response_headers_are_documented(document: Document) -> None:
+    headers = document["paths"]["/v1/sandbox/{chatId}/status"]["get"]["responses"]["200"]
+    assert {"ETag", "Preference-Applied"} <= set(headers["headers"])

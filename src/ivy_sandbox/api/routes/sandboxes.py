@@ -44,7 +44,21 @@ ChatIdPath = Annotated[
 ]
 
 STATUS_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: status_response("Current sandbox state", "provisioning", "active", "failed", "none"),
+    200: status_response("Current sandbox state", "provisioning", "active", "failed", "none")
+    | {
+        "headers": {
+            "ETag": {
+                "description": "Long-poll answers only: the state's token (quoted); send it "
+                "back as `since` to wait for the next change.",
+                "schema": {"type": "string"},
+            },
+            "Preference-Applied": {
+                "description": "Long-poll answers only: the wait that was applied, e.g. "
+                "`wait=60` (requests for more are capped at 60 s).",
+                "schema": {"type": "string"},
+            },
+        }
+    },
     401: PROBLEM_RESPONSES[401],
     403: PROBLEM_RESPONSES[403],
     429: PROBLEM_RESPONSES[429],
