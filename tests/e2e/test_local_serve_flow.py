@@ -301,6 +301,30 @@ def test_a_phase_over_its_watchdog_fails_with_its_error_code_and_leaves_no_proce
         ivy.shut_down()
 
 
+def test_a_sandbox_that_cannot_start_fails_with_compute_failed_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """A real start failure: the chat's workspace path is taken by a plain file (say, an
+    operator's mistake), so the sandbox cannot be set up around it."""
+    ivy = deployment(tmp_path)
+    try:
+        account = ivy.new_chat()
+        workspaces = ivy.server.data_dir / "workspaces"
+        workspaces.mkdir(parents=True, exist_ok=True)
+        (workspaces / account.chat).write_text("not a directory")
+
+        launched = ivy.cli("launch", account.chat, "--wait")
+        assert (launched.returncode, launched.stdout) == (1, ""), launched.stderr
+        assert launched.stderr.splitlines()[-1].startswith("error: compute_failed: compute: ")
+        detail = ivy.detail(account.chat)
+        assert (detail["status"], detail["errorCode"]) == ("failed", "compute_failed")
+        assert detail["errorMessage"].startswith("compute: ")
+        no_sandbox_process_left(ivy.server)
+        assert (workspaces / account.chat).read_text() == "not a directory"  # left alone
+    finally:
+        ivy.shut_down()
+
+
 def test_a_launch_over_capacity_fails_with_capacity_timeout_and_the_active_one_keeps_running(
     tmp_path: Path,
 ) -> None:
