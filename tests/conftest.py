@@ -1,8 +1,10 @@
 """Shared fixtures: a real database (SQLite always; PostgreSQL when IVY_TEST_POSTGRES_URL is
-set), a real limiter storage (memory; Redis when IVY_TEST_REDIS_URL is set), the app wired
-with a fake clock, and helpers to create users, chats, keys, sandboxes and session tokens.
+set), a real limiter storage paired with it (memory with SQLite; Redis with PostgreSQL when
+IVY_TEST_REDIS_URL is set), the app wired with a fake clock, and helpers to create users,
+chats, keys, sandboxes and session tokens.
 
-Every API test runs once per database backend: ``db`` is parametrized over both.
+Every API test runs once per backend pair: ``database_url`` is parametrized over SQLite and
+PostgreSQL, and ``limiter_storage_url`` follows it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from limits.aio.storage import RedisStorage
 from sqlalchemy import delete, insert
 from sqlalchemy.engine import make_url
 
@@ -190,12 +193,22 @@ def tokens(rsa_key: rsa.RSAPrivateKey, clock: FakeClock) -> TokenFactory:
 
 
 # -- the app ---------------------------------------------------------------------------------
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def limiter_storage_url(request: pytest.FixtureRequest) -> str | None:
-    if request.param == "memory":
+@pytest.fixture
+def limiter_storage_url(database_url: str) -> str | None:
+    """The limiter storage paired with the test's database, as deployments pair them.
+
+    The SQLite variant keeps the embedded default (in-memory counters); the PostgreSQL variant
+    counts in Redis when IVY_TEST_REDIS_URL is set. So every API test runs on SQLite + memory
+    and on PostgreSQL + Redis, without a second parameter doubling the number of tests. With
+    a database server but no Redis (a laptop), the PostgreSQL variant counts in memory; CI
+    (IVY_TEST_REQUIRE_SERVICES=1) fails instead.
+    """
+    if make_url(database_url).get_backend_name() == "sqlite":
         return None
     if not REDIS_URL:
-        service_unavailable("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
+        if REQUIRE_SERVICES:
+            service_unavailable("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
+        return None
     return REDIS_URL
 
 
@@ -206,13 +219,40 @@ def limits() -> dict[str, str]:
 
 
 @pytest.fixture
-def limiter(limits: dict[str, str]) -> RateLimiter:
-    return RateLimiter(make_storage(None), **limits)
+async def limiter(
+    limits: dict[str, str], limiter_storage_url: str | None
+) -> AsyncIterator[RateLimiter]:
+    """The app's limiter, on the storage ``limiter_storage_url`` pairs with the database.
+
+    On Redis each test has its own key prefix (no counter is shared with another test or a
+    parallel run), and deletes its own keys afterwards.
+    """
+    if limiter_storage_url is None:
+        yield RateLimiter(make_storage(None), **limits)
+        return
+    limiter = make_redis_limiter(limits, limiter_storage_url)
+    try:
+        yield limiter
+    finally:
+        await drop_redis_limiter(limiter)
 
 
-def make_redis_limiter(limits: dict[str, str]) -> RateLimiter:
-    assert REDIS_URL
-    return RateLimiter(make_storage(REDIS_URL, key_prefix=f"ivy-test-{uuid.uuid4().hex}"), **limits)
+def make_redis_limiter(limits: dict[str, str], redis_url: str | None = None) -> RateLimiter:
+    """A limiter on Redis whose keys carry a prefix unique to this call."""
+    url = redis_url or REDIS_URL
+    assert url
+    prefix = f"ivy-test-{uuid.uuid4().hex}"
+    return RateLimiter(make_storage(url, key_prefix=prefix), **limits)
+
+
+async def drop_redis_limiter(limiter: RateLimiter) -> None:
+    """Delete the keys under the limiter's own prefix (only those) and close its connections."""
+    storage = limiter.storage
+    assert isinstance(storage, RedisStorage)
+    try:
+        await storage.reset()
+    finally:
+        await storage.bridge.storage.aclose()
 
 
 @pytest.fixture

@@ -16,12 +16,14 @@ from datetime import timedelta
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
+from limits.aio.storage import RedisStorage
 from sqlalchemy import select
 
-from conftest import TokenFactory, World
+from conftest import REDIS_URL, TokenFactory, World
 from fakes import FakeClock
 from ivy_sandbox.auth.api_keys import generate_api_key
 from ivy_sandbox.bootstrap import Services
+from ivy_sandbox.ratelimit_memory import InProcessStorage
 from ivy_sandbox.storage.tables import api_keys, users
 
 UNAUTHENTICATED_BODY = (
@@ -88,6 +90,69 @@ async def test_first_valid_session_token_creates_the_user(
     async with services.repository.engine.connect() as conn:
         found = (await conn.execute(select(users.c.id).where(users.c.id == "user_new"))).all()
     assert found == [("user_new",)]
+
+
+# -- the status-code matrix, form by form -----------------------------------------------------
+# Every way a caller can present a credential: (form in CREDENTIAL_FORMS, kind of credential).
+# 403 for each form: test_authorization.py; 429 for each form: test_rate_limits.py.
+MATRIX_FORMS = {
+    "x-ivy-api-key": ("x-ivy-api-key", "key"),
+    "bearer-api-key": ("bearer", "key"),
+    "bearer-session-jwt": ("bearer", "session"),
+    "session-cookie-jwt": ("session-cookie", "session"),
+    "suffixed-session-cookie-jwt": ("suffixed-session-cookie", "session"),
+}
+
+
+@pytest.mark.parametrize("name", list(MATRIX_FORMS))
+async def test_each_credential_form_gets_200_for_its_chat_and_the_uniform_401_when_bad(
+    send: Send,
+    world: World,
+    tokens: TokenFactory,
+    services: Services,
+    clock: FakeClock,
+    other_rsa_key: rsa.RSAPrivateKey,
+    name: str,
+) -> None:
+    form, kind = MATRIX_FORMS[name]
+    chat = await world.chat("user_alice")
+    await world.sandbox(chat, "active", "ready", ready_at=clock.now())
+    now = int(clock.time())
+    if kind == "key":
+        good = await world.key("user_alice")
+        revoked = await world.key("user_alice")
+        await services.repository.revoke_api_key(revoked.split("_")[1], clock.now())
+        bad = {"bad-checksum": _flip_last_char(good), "revoked": revoked}
+    else:
+        good = tokens.token("user_alice")
+        bad = {
+            "expired": tokens.token(exp=now - 60, iat=now - 120, nbf=now - 120),
+            "signed-by-another-key": tokens.token(key=other_rsa_key),
+        }
+
+    ok = await send(chat, CREDENTIAL_FORMS[form](good))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["status"] == "active"
+    assert ok.headers["cache-control"] == "no-store"
+    assert "www-authenticate" not in ok.headers
+    for label, credential in bad.items():
+        response = await send(chat, CREDENTIAL_FORMS[form](credential))
+        assert response.status_code == 401, label
+        assert_unauthenticated(response)
+    # The same request without the credential: 401, and no invalid_token (nothing was sent).
+    assert_unauthenticated(await send(chat, {}), credential_sent=False)
+
+
+async def test_api_tests_pair_sqlite_with_memory_and_postgres_with_the_shared_limiter(
+    services: Services, database_url: str, limiter_storage_url: str | None
+) -> None:
+    """The app under every API test counts on the storage paired with its database."""
+    if database_url.startswith("sqlite"):
+        assert limiter_storage_url is None
+        assert isinstance(services.limiter.storage, InProcessStorage)
+    elif REDIS_URL:
+        assert limiter_storage_url == REDIS_URL
+        assert isinstance(services.limiter.storage, RedisStorage)
 
 
 # -- no credential / unsupported forms --------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from urllib.parse import quote
 
 import httpx
@@ -70,6 +71,59 @@ async def test_session_token_sees_every_chat_of_its_user_and_none_of_others(
     headers = {"Authorization": f"Bearer {tokens.token('user_alice')}"}
     assert (await client.get(f"/v1/sandbox/{own}/status", headers=headers)).status_code == 200
     assert_forbidden(await client.get(f"/v1/sandbox/{foreign}/status", headers=headers))
+
+
+# Every credential form (the 200/401 side of the matrix: test_authentication.py).
+FORMS: dict[str, tuple[str, Callable[[str], dict[str, str]]]] = {
+    "x-ivy-api-key": ("key", lambda c: {"X-Ivy-Api-Key": c}),
+    "bearer-api-key": ("key", lambda c: {"Authorization": f"Bearer {c}"}),
+    "bearer-session-jwt": ("session", lambda c: {"Authorization": f"Bearer {c}"}),
+    "session-cookie-jwt": ("session", lambda c: {"Cookie": f"__session={c}"}),
+    "suffixed-session-cookie-jwt": ("session", lambda c: {"Cookie": f"x=1; __session_Ab={c}"}),
+}
+
+
+async def get_as(
+    client: httpx.AsyncClient, headers: dict[str, str], raw_chat_id: str
+) -> httpx.Response:
+    url = httpx.URL("http://ivy.test/").copy_with(
+        raw_path=f"/v1/sandbox/{raw_chat_id}/status".encode()
+    )
+    return await client.get(url, headers=headers)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+async def test_each_credential_form_gets_the_uniform_403_for_every_chat_it_may_not_read(
+    client: httpx.AsyncClient, world: World, tokens: TokenFactory, form: str
+) -> None:
+    kind, present = FORMS[form]
+    project_a = await world.project(name="a")
+    project_b = await world.project(name="b")
+    allowed = await world.chat(project_id=project_a)
+    await world.sandbox(allowed, "active", "ready")
+    denied = {
+        "missing": "chat_doesnotexist",
+        "foreign": await world.chat("user_bob"),
+        "foreign-with-sandbox": await world.chat("user_bob"),
+        "malformed": "has spaces%20and%2Fslashes",
+        "empty": "",
+    }
+    await world.sandbox(denied["foreign-with-sandbox"], "active", "ready")
+    if kind == "key":  # a key scoped to project a: other projects and loose chats are out
+        credential = await world.key(project_id=project_a)
+        denied["other-project"] = await world.chat(project_id=project_b)
+        denied["no-project"] = await world.chat()
+    else:
+        credential = tokens.token("user_alice")
+    headers = present(credential)
+    ok = await get_as(client, headers, allowed)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["status"] == "active"
+    for name, chat in denied.items():
+        response = await get_as(client, headers, chat)
+        assert response.status_code == 403, name
+        assert_forbidden(response)
+        assert response.headers["cache-control"] == "no-store"
 
 
 async def test_another_users_key_cannot_read_a_chat_even_with_its_exact_id(

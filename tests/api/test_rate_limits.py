@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from urllib.parse import quote
@@ -18,8 +18,17 @@ from urllib.parse import quote
 import httpx
 import pytest
 from limits import parse
+from limits.aio.storage import RedisStorage
 
-from conftest import PEPPER, REDIS_URL, World, make_redis_limiter, service_unavailable
+from conftest import (
+    PEPPER,
+    REDIS_URL,
+    TokenFactory,
+    World,
+    drop_redis_limiter,
+    make_redis_limiter,
+    service_unavailable,
+)
 from ivy_sandbox.api.app import create_app
 from ivy_sandbox.bootstrap import Services
 from ivy_sandbox.config import Settings
@@ -60,14 +69,26 @@ def limits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> d
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def limiter(request: pytest.FixtureRequest, limits: dict[str, str]) -> RateLimiter:
+async def limiter(
+    request: pytest.FixtureRequest, limits: dict[str, str]
+) -> AsyncIterator[RateLimiter]:
+    """Overrides conftest's pairing: here both storages run on both databases."""
     if request.param == "memory":
-        return RateLimiter(make_storage(None), **limits)
+        yield RateLimiter(make_storage(None), **limits)
+        return
     if request.param == "unreachable-redis":
-        return RateLimiter(make_storage(UNREACHABLE_REDIS, key_prefix=uuid.uuid4().hex), **limits)
+        storage = make_storage(UNREACHABLE_REDIS, key_prefix=uuid.uuid4().hex)
+        assert isinstance(storage, RedisStorage)
+        yield RateLimiter(storage, **limits)
+        await storage.bridge.storage.aclose()
+        return
     if not REDIS_URL:
         service_unavailable("IVY_TEST_REDIS_URL is not set (no Redis for this run)")
-    return make_redis_limiter(limits)
+    limiter = make_redis_limiter(limits)  # a prefix of its own: no counter shared with others
+    try:
+        yield limiter
+    finally:
+        await drop_redis_limiter(limiter)
 
 
 @asynccontextmanager
@@ -202,6 +223,76 @@ async def test_successful_requests_do_not_count_toward_the_auth_failure_limit(
     assert_rate_limited(await status(client, chat, "ivy_wrong"), "auth-failures", 3)
 
 
+# -- every credential form gets the same 429s --------------------------------------------------
+# (form, kind of credential, how it is presented); 200/401/403 per form: test_authentication.py
+# and test_authorization.py.
+CREDENTIAL_FORMS: dict[str, tuple[str, Callable[[str], dict[str, str]]]] = {
+    "x-ivy-api-key": ("key", lambda c: {"X-Ivy-Api-Key": c}),
+    "bearer-api-key": ("key", lambda c: {"Authorization": f"Bearer {c}"}),
+    "bearer-session-jwt": ("session", lambda c: {"Authorization": f"Bearer {c}"}),
+    "session-cookie-jwt": ("session", lambda c: {"Cookie": f"__session={c}"}),
+}
+each_form = pytest.mark.parametrize("form", list(CREDENTIAL_FORMS))
+
+
+async def credentials(
+    form: str, world: World, tokens: TokenFactory
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Headers carrying a valid and an invalid credential of user_alice, in ``form``."""
+    kind, present = CREDENTIAL_FORMS[form]
+    if kind == "key":
+        good = await world.key("user_alice")
+        bad = good[:-1] + ("A" if good[-1] != "A" else "B")  # checksum no longer matches
+    else:
+        await world.user("user_alice")
+        now = int(tokens.clock.time())
+        good = tokens.token("user_alice")
+        bad = tokens.token("user_alice", exp=now - 60, iat=now - 120, nbf=now - 120)
+    return present(good), present(bad)
+
+
+@each_form
+@with_limits(per_user="3/minute")
+async def test_per_user_429_carries_its_headers_for_every_credential_form(
+    client: httpx.AsyncClient, world: World, tokens: TokenFactory, form: str
+) -> None:
+    good, _ = await credentials(form, world, tokens)
+    chats = [await world.chat(), await world.chat()]
+    for i in range(3):
+        assert (await status(client, chats[i % 2], **good)).status_code == 200
+    assert_rate_limited(await status(client, chats[1], **good), "user", 3)
+    assert_rate_limited(await status(client, await world.chat(), **good), "user", 3)
+
+
+@each_form
+@with_limits(per_chat="2/minute")
+async def test_per_chat_429_carries_its_headers_for_every_credential_form(
+    client: httpx.AsyncClient, world: World, tokens: TokenFactory, form: str
+) -> None:
+    good, _ = await credentials(form, world, tokens)
+    busy, quiet = await world.chat(), await world.chat()
+    for _ in range(2):
+        assert (await status(client, busy, **good)).status_code == 200
+    assert_rate_limited(await status(client, busy, **good), "chat", 2)
+    assert (await status(client, quiet, **good)).status_code == 200
+
+
+@each_form
+@with_limits(auth_failures="2/minute")
+async def test_auth_failure_429_carries_its_headers_for_every_credential_form(
+    client: httpx.AsyncClient, world: World, tokens: TokenFactory, form: str
+) -> None:
+    good, bad = await credentials(form, world, tokens)
+    chat = await world.chat()
+    for _ in range(2):
+        response = await status(client, chat, **bad)
+        assert response.status_code == 401
+        assert "ratelimit" not in response.headers
+    assert_rate_limited(await status(client, chat, **bad), "auth-failures", 2)
+    # The valid credential in the same form, from the same address, still gets through.
+    assert (await status(client, chat, **good)).status_code == 200
+
+
 # -- shared across processes (Redis) -----------------------------------------------------------
 @with_limits(per_chat="4/minute", auth_failures="2/minute")
 @pytest.mark.parametrize("limiter", ["redis"], indirect=True)
@@ -233,8 +324,8 @@ async def test_two_app_instances_on_one_redis_share_the_counters(
             assert (await status(two, chat, "ivy_wrong")).status_code == 401
             assert_rate_limited(await status(one, chat, "ivy_wrong"), "auth-failures", 2)
     finally:
-        await first.limiter.aclose()
-        await second.limiter.aclose()
+        await drop_redis_limiter(first.limiter)  # deletes the shared prefix's keys
+        await drop_redis_limiter(second.limiter)  # (none left) and closes its connections
 
 
 # -- the defaults allow 1 Hz polling of every open chat ----------------------------------------
