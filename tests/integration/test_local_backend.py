@@ -170,9 +170,17 @@ async def test_sandbox_processes_are_an_unprivileged_host_uid_without_capabiliti
         status = read(f"/proc/{state['pids'][role]['pid']}/status")
         assert "Uid:\t65534\t65534\t65534\t65534" in status
         assert "CapEff:\t0000000000000000" in status
-    inside = await sh(backend, state, "grep -E '^(Uid|CapEff|CapPrm|NoNewPrivs)' /proc/self/status")
+    query = "grep -E '^(Uid|Groups|CapEff|CapPrm|NoNewPrivs)' /proc/self/status"
+    own_groups = os.getgroups()
+    os.setgroups([4, 27])  # a control plane with supplementary groups: none may come along
+    try:
+        inside = await sh(backend, state, query)
+    finally:
+        os.setgroups(own_groups)
     assert b"CapEff:\t0000000000000000" in inside.stdout
     assert b"NoNewPrivs:\t1" in inside.stdout
+    groups = [line.split()[1:] for line in inside.stdout.splitlines() if b"Groups:" in line]
+    assert groups == [[]]  # none of root's supplementary groups came along
     nested = await backend.exec(state, ExecRequest(["unshare", "--user", "true"]))
     assert nested.exit_code != 0  # --disable-userns: no user namespaces inside
 

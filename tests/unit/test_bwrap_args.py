@@ -125,7 +125,10 @@ def test_root_exec_enters_the_user_namespace_last_and_becomes_the_sandbox_user()
         env={"FOO": "bar", "PATH": "/opt/bin"},
         command=["python3", "-c", "print(1)"],
     )
-    assert argv[: argv.index("--")] == [
+    # One setpriv in front: root's groups dropped, no_new_privs set (inherited by all after).
+    assert argv[:4] == ["/usr/bin/setpriv", "--clear-groups", "--no-new-privs", "--"]
+    enter = argv[4:]
+    assert enter[: enter.index("--")] == [
         "/usr/bin/nsenter",
         "-t",
         "4242",
@@ -135,8 +138,8 @@ def test_root_exec_enters_the_user_namespace_last_and_becomes_the_sandbox_user()
         "-G",
         "1000",
     ]
-    inside = argv[argv.index("--") + 1 :]
-    assert inside[:6] == ["/usr/bin/setpriv", "--no-new-privs", "/usr/bin/env", "-i", "-C", CWD]
+    inside = enter[enter.index("--") + 1 :]
+    assert inside[:4] == ["/usr/bin/env", "-i", "-C", CWD]
     assert "FOO=bar" in inside
     assert "PATH=/opt/bin" in inside
     assert "HOME=/home/sandbox" in inside

@@ -198,6 +198,7 @@ def nsenter_argv(
     env: Mapping[str, str],
     command: Sequence[str],
     parent_userns_fd: int | None = None,
+    setpriv: str = "/usr/bin/setpriv",
 ) -> list[str]:
     """Run ``command`` inside a sandbox: its namespaces, its user, a clean environment.
 
@@ -207,7 +208,10 @@ def nsenter_argv(
 
     * as root (``parent_userns_fd`` None), nsenter's own order does it — every other
       namespace first, the user namespace last — and ``-S``/``-G`` then become the sandbox
-      user; ``setpriv --no-new-privs`` rules out setuid or file-capability gains;
+      user. One ``setpriv`` in front drops root's supplementary groups and sets
+      no_new_privs, which nsenter and the command inherit and cannot undo: no setuid or
+      file-capability gains. (In front, not inside: one program less per exec, measured
+      ~1 ms each);
     * unprivileged, we enter the outer user namespace (our own: we have capabilities there)
       and the others, then a second nsenter joins the sandbox's own user namespace, that of
       its pid 1, keeping our (mapped, unprivileged) credentials.
@@ -218,11 +222,11 @@ def nsenter_argv(
         raise ValueError("command must not be empty")
     if "=" in command[0]:
         raise ValueError("command[0] must not contain '=' (env would read it as a variable)")
-    argv = [nsenter, "-t", str(target_pid)]
     if parent_userns_fd is None:
+        argv = [setpriv, "--clear-groups", "--no-new-privs", "--", nsenter, "-t", str(target_pid)]
         argv += ["-a", "-S", str(INNER_UID), "-G", str(INNER_GID), "--"]
-        argv += ["/usr/bin/setpriv", "--no-new-privs"]
     else:
+        argv = [nsenter, "-t", str(target_pid)]
         argv += [f"--user=/proc/self/fd/{parent_userns_fd}", "--preserve-credentials"]
         argv += ["-m", "-u", "-i", "-n", "-p", "-C", "--"]
         argv += ["/usr/bin/nsenter", "--user=/proc/1/ns/user", "--preserve-credentials", "--"]

@@ -43,7 +43,8 @@ async def run(
 ) -> ExecResult:
     """Run one command inside, in its own cgroup so a timeout can kill all it started.
 
-    ``setpriv`` is given when we are root: it drops root's supplementary groups.
+    ``setpriv`` is given when we are root: the exec then starts with it (``nsenter_argv``),
+    dropping root's supplementary groups and setting no_new_privs.
     """
     command_pid, _ = sandbox.pid("command")
     started = time.monotonic()
@@ -60,13 +61,14 @@ async def run(
             env=request.env,
             command=request.command,
             parent_userns_fd=parent,
+            **({"setpriv": setpriv} if setpriv is not None else {}),
         )
         try:
             targets, group = cgroups.new_exec_group(sandbox.cgroup_paths(mountpoints))
         except OSError as error:
             raise BackendError(ErrorCode.SANDBOX_EXITED, f"sandbox cgroups: {error}") from None
         try:
-            return await _run(sandbox, argv, targets, group, request, started, fds, setpriv)
+            return await _run(sandbox, argv, targets, group, request, started, fds)
         finally:
             if group is not None:
                 cgroups.remove(group)  # fails (harmlessly) while background processes remain
@@ -83,11 +85,10 @@ async def _run(
     request: ExecRequest,
     started: float,
     pass_fds: tuple[int, ...],
-    setpriv: str | None,
 ) -> ExecResult:
     """One gated exec from spawn to result; on an error or a cancellation its whole tree is
     killed before we return, so nothing it started outlives the call unaccounted for."""
-    child = _spawn(argv, request.output_limit_bytes, pass_fds, setpriv)
+    child = _spawn(argv, request.output_limit_bytes, pass_fds)
     try:
         _release(child, sandbox, targets, request.stdin)
         timed_out = await _wait(child, group, request.timeout_seconds)
@@ -108,14 +109,8 @@ async def _run(
     )
 
 
-def _spawn(
-    argv: list[str], limit: int, pass_fds: tuple[int, ...], setpriv: str | None
-) -> local_child.Child:
+def _spawn(argv: list[str], limit: int, pass_fds: tuple[int, ...]) -> local_child.Child:
     """Start the gate (blocked on stdin) that will become ``argv``."""
-    if setpriv is not None:
-        # Drop root's supplementary groups for the exec'd process. Done with setpriv, not
-        # Popen's extra_groups=, which would rule out vfork (see local_child).
-        argv = [setpriv, "--clear-groups", "--", *argv]
     gated = args.gated(argv, stdin_to_null=False)
     return local_child.Child(gated, limit=limit, env={"PATH": args.DEFAULT_PATH}, pass_fds=pass_fds)
 
