@@ -184,3 +184,29 @@ async def test_any_chat_id_text_gets_only_403_never_404_422_or_5xx(
     key = await world.key()
     response = await status(client, key, quote(chat_id, safe=""))
     assert_forbidden(response)
+
+
+SANDBOX_OPERATIONS = [
+    ("GET", "/status", None),
+    ("GET", "/events", None),
+    ("GET", "", None),
+    ("POST", "", None),
+    ("DELETE", "", None),
+    ("POST", "/exec", {"command": ["true"]}),
+    ("POST", "/keepalive", None),
+]
+
+
+@pytest.mark.parametrize(("method", "suffix", "body"), SANDBOX_OPERATIONS)
+async def test_every_sandbox_operation_on_another_users_chat_gets_the_uniform_403_and_no_effect(
+    client: httpx.AsyncClient, world: World, method: str, suffix: str, body: object
+) -> None:
+    mallory = await world.key("user_mallory")
+    alice_chat = await world.chat("user_alice")
+    await world.sandbox(alice_chat, "active", "ready")
+    path = f"/v1/sandbox/{alice_chat}{suffix}"
+    answer = await client.request(method, path, headers={"X-Ivy-Api-Key": mallory}, json=body)
+    assert_forbidden(answer)
+    alice = await world.key("user_alice")
+    still = await client.get(f"/v1/sandbox/{alice_chat}/status", headers={"X-Ivy-Api-Key": alice})
+    assert still.json()["status"] == "active"  # nothing was launched, stopped or run
