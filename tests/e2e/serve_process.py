@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -135,3 +136,27 @@ def started_server(tmp: Path, env: Mapping[str, str] | None = None) -> Server:
     server = Server(tmp / "data", dict(env or {}), tmp / "logs")
     server.start()
     return server
+
+
+# -- sandbox processes of a server's data dir ---------------------------------------------------
+def sandbox_processes_by_cgroup(data_dir: Path) -> dict[int, str]:
+    """pid -> sandbox id, for every process in this data dir's sandbox cgroups (the local
+    backend names them ``ivy-<hash of the data dir>-<sandbox id>``)."""
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+    marker = f"/ivy-{digest}-"
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "cgroup").read_text()
+        except OSError:
+            continue
+        if marker in text:
+            found[int(entry.name)] = text.split(marker, 1)[1].split("/", 1)[0].split("\n", 1)[0]
+    return found
+
+
+def sandbox_pids(data_dir: Path) -> set[int]:
+    """Host pids in this data dir's sandbox cgroups."""
+    return set(sandbox_processes_by_cgroup(data_dir))

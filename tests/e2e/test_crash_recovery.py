@@ -8,7 +8,6 @@ phase behind the first sandbox, so they are provisioning when the kill lands.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -19,26 +18,17 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_process import IVY, Server, clean_env, new_account, started_server
+from serve_process import (
+    IVY,
+    Server,
+    clean_env,
+    new_account,
+    sandbox_pids,
+    sandbox_processes_by_cgroup,
+    started_server,
+)
 
 WAIT = 30.0
-
-
-def sandbox_pids(data_dir: Path) -> set[int]:
-    """Host pids in this data dir's sandbox cgroups (named ivy-<hash of data dir>-<sandbox>)."""
-    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
-    marker = f"/ivy-{digest}-"
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cgroups = (entry / "cgroup").read_text()
-        except OSError:
-            continue
-        if marker in cgroups:
-            pids.add(int(entry.name))
-    return pids
 
 
 def until(predicate: Callable[[], Any], what: str, within: float = WAIT) -> Any:
@@ -166,19 +156,8 @@ def test_worker_killed_mid_launch_is_replaced_and_no_process_is_orphaned(
 
 
 def sandbox_names(data_dir: Path) -> set[str]:
-    """The sandboxes (cgroup names) that have a live process under this data dir."""
-    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
-    marker = f"/ivy-{digest}-"
-    names = set()
-    for pid in sandbox_pids(data_dir):
-        try:
-            text = Path(f"/proc/{pid}/cgroup").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if marker in line:
-                names.add(line.split(marker, 1)[1].split("/", 1)[0])
-    return names
+    """The sandboxes that have a live process under this data dir."""
+    return set(sandbox_processes_by_cgroup(data_dir).values())
 
 
 def test_server_killed_while_launches_run_their_phases_recovers_every_one(

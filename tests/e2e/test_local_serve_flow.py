@@ -15,7 +15,6 @@ first wait on it lets the watchdog fire, so the phase cannot finish in time.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_process import IVY, Account, Server, clean_env, started_server
+from serve_process import IVY, Account, Server, clean_env, sandbox_pids, started_server
 
 WAIT = 30.0  # bound on every wait for a launch, a reaping or a cleanup
 CLI_TIMEOUT = 120
@@ -52,25 +51,10 @@ def _live_parents() -> dict[int, int]:
     return parents
 
 
-def _in_sandbox_cgroups(data_dir: Path) -> set[int]:
-    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
-    marker = f"/ivy-{digest}-"
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "cgroup").read_text():
-                pids.add(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def sandbox_processes(server: Server) -> set[int]:
     """Live processes in the server's sandbox cgroups or started by the serve process."""
     parents = _live_parents()
-    found = _in_sandbox_cgroups(server.data_dir) & parents.keys()
+    found = sandbox_pids(server.data_dir) & parents.keys()
     if server.process is not None and server.process.poll() is None:
         frontier = {server.process.pid}
         while frontier:

@@ -37,21 +37,25 @@ def _is_open(fd: int) -> bool:
     return True
 
 
+async def assert_closed_exactly_once(fd: int) -> None:
+    """``fd`` is closed now, and a descriptor that reuses its number stays open afterwards
+    (a second close of the old one would take it away)."""
+    assert not _is_open(fd)
+    reused = os.open(os.devnull, os.O_RDONLY)  # the lowest free number: the one just closed
+    try:
+        await _settle()
+        assert _is_open(reused)
+    finally:
+        os.close(reused)
+
+
 async def test_reading_a_pipe_to_the_end_closes_its_fd_exactly_once() -> None:
     for _ in range(20):
         read_end, write_end = os.pipe()
         os.write(write_end, b'{"child-pid": 42}')
         os.close(write_end)
         assert await _read_all(read_end, 5.0) == b'{"child-pid": 42}'
-        assert not _is_open(read_end)
-        reused, other = os.pipe()  # the lowest free number: the one just closed
-        try:
-            await _settle()
-            assert _is_open(reused)
-            assert _is_open(other)
-        finally:
-            os.close(reused)
-            os.close(other)
+        await assert_closed_exactly_once(read_end)
 
 
 async def test_a_read_cut_short_by_its_deadline_returns_what_came_and_closes_once() -> None:
@@ -59,13 +63,7 @@ async def test_a_read_cut_short_by_its_deadline_returns_what_came_and_closes_onc
     try:
         os.write(write_end, b"partial")
         assert await _read_all(read_end, 0.05) == b"partial"  # the writer never closed
-        assert not _is_open(read_end)
-        reused = os.open(os.devnull, os.O_RDONLY)
-        try:
-            await _settle()
-            assert _is_open(reused)
-        finally:
-            os.close(reused)
+        await assert_closed_exactly_once(read_end)
     finally:
         os.close(write_end)
 
@@ -78,13 +76,7 @@ async def test_a_cancelled_read_closes_its_fd_and_leaves_others_alone() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not _is_open(read_end)
-        reused = os.open(os.devnull, os.O_RDONLY)
-        try:
-            await _settle()
-            assert _is_open(reused)
-        finally:
-            os.close(reused)
+        await assert_closed_exactly_once(read_end)
     finally:
         os.close(write_end)
 
