@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -11,7 +10,7 @@ import typer
 from rich.console import Console
 
 from ivy_sandbox.cli.common import JsonFlag, fail
-from ivy_sandbox.cli.progress import Display, display_for
+from ivy_sandbox.cli.progress import Display, display_for, status_json
 
 T = TypeVar("T")
 
@@ -158,6 +157,5 @@ def register(app: typer.Typer) -> None:
 
 
 def emit_status(body: dict[str, Any], as_json: bool) -> None:
-    """The status value, or with --json the body exactly as the server sent it (compact,
-    keys in the server's order)."""
-    typer.echo(json.dumps(body, separators=(",", ":")) if as_json else str(body["status"]))
+    """The status value, or with --json the body exactly as the server sent it."""
+    typer.echo(status_json(body) if as_json else str(body["status"]))

@@ -78,11 +78,16 @@ class _Lines:
         """The caller prints why on stderr."""
 
 
+def status_json(body: Any) -> str:
+    """A status body as the server sends it: compact, keys in the server's order."""
+    return json.dumps(body, separators=(",", ":"))
+
+
 class JsonLines(_Lines):
     """Each status body as one JSON line (the same encoding as ``--json``)."""
 
     def line(self, body: Any) -> str:
-        return json.dumps(body, separators=(",", ":"))  # the server's bytes, exactly
+        return status_json(body)
 
 
 class TextLines(_Lines):
