@@ -92,6 +92,40 @@ async def test_first_valid_session_token_creates_the_user(
     assert found == [("user_new",)]
 
 
+async def test_one_session_writes_its_user_row_once_and_a_new_session_ensures_it_again(
+    send: Send, tokens: TokenFactory, services: Services
+) -> None:
+    async def user_rows() -> list[tuple[str]]:
+        async with services.repository.engine.begin() as conn:
+            found = await conn.execute(select(users.c.id).where(users.c.id == "user_new"))
+            return [tuple(row) for row in found.all()]
+
+    first = {"Authorization": f"Bearer {tokens.token('user_new', sid='sess_first')}"}
+    assert (await send("chat_any", first)).status_code == 403
+    assert await user_rows() == [("user_new",)]
+    async with services.repository.engine.begin() as conn:
+        await conn.execute(users.delete().where(users.c.id == "user_new"))
+
+    # The session is known: its polls write nothing (the row stays deleted).
+    assert (await send("chat_any", first)).status_code == 403
+    assert await user_rows() == []
+    # A new session of the same user ensures the row again.
+    second = {"Authorization": f"Bearer {tokens.token('user_new', sid='sess_second')}"}
+    assert (await send("chat_any", second)).status_code == 403
+    assert await user_rows() == [("user_new",)]
+
+
+async def test_a_session_id_reused_by_another_user_gets_that_users_identity(
+    send: Send, world: World, tokens: TokenFactory
+) -> None:
+    alice_chat = await world.chat("user_alice")
+    alice = {"Authorization": f"Bearer {tokens.token('user_alice', sid='sess_same')}"}
+    bob = {"Authorization": f"Bearer {tokens.token('user_bob', sid='sess_same')}"}
+    assert (await send(alice_chat, alice)).status_code == 200
+    assert (await send(alice_chat, bob)).status_code == 403
+    assert (await send(alice_chat, alice)).status_code == 200
+
+
 # -- the status-code matrix, form by form -----------------------------------------------------
 # Every way a caller can present a credential: (form in CREDENTIAL_FORMS, kind of credential).
 # 403 for each form: test_authorization.py; 429 for each form: test_rate_limits.py.
