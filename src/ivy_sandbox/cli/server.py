@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Annotated
 
 import typer
@@ -10,6 +11,18 @@ from ivy_sandbox.cli.common import run_or_fail, run_with_repository, settings_or
 from ivy_sandbox.logs import configure_logging
 from ivy_sandbox.services.clock import SystemClock
 from ivy_sandbox.storage.repository import Repository
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the imported modules, the app) out of the collector's sight.
+
+    A full (generation 2) collection walks every tracked object: with the ~130k objects the
+    imports alone create, it blocked the loop for 80-92 ms each time enough long-lived objects
+    had piled up (every 10-30 s while 500 sandboxes ran: the density benchmark's status p99).
+    Frozen, the same collections took 8-20 ms. Those objects live as long as the process.
+    """
+    gc.collect()  # the import-time garbage goes first, so it is not frozen forever
+    gc.freeze()
 
 
 def register(app: typer.Typer) -> None:
@@ -31,9 +44,11 @@ def serve(
     settings = settings_or_exit()
     run_or_fail(preflight(settings))
     configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    freeze_startup_heap()
     # log_config=None: uvicorn's loggers go through our handler (JSON, with request ids).
     uvicorn.run(
-        create_app(settings),
+        app,
         host=host,
         port=port,
         log_config=None,
@@ -86,4 +101,5 @@ def worker() -> None:
             await backend.aclose()
             await repository.dispose()
 
+    freeze_startup_heap()
     run_or_fail(main())
