@@ -1,4 +1,4 @@
-"""Admission against IVY_MAX_SANDBOXES (one fenced UPDATE); paging sandboxes by status."""
+"""Admission against IVY_MAX_SANDBOXES (one fenced UPDATE); paging the active sandboxes."""
 
 from __future__ import annotations
 
@@ -54,15 +54,35 @@ async def test_a_younger_launch_never_takes_a_slot_an_older_waiter_needs(
     assert not await store.admit(youngest, OWNER, now, capacity=2, eta_seconds=None)  # full
 
 
-async def test_pages_with_status_yield_every_sandbox_once_in_bounded_pages(
+async def test_active_pages_yield_every_active_sandbox_once_in_bounded_pages(
     repository: Repository, world: World
 ) -> None:
     store = SandboxRepository(repository.engine, LocalEventBus())
     for _ in range(7):
         await world.sandbox(await world.chat(), "active", "ready")
     await world.sandbox(await world.chat(), "failed", "failed")
-    pages = [page async for page in store.pages_with_status(SandboxStatus.ACTIVE, page_size=3)]
+    await world.sandbox(await world.chat(), "provisioning", "compute")
+    pages = [page async for page in store.active_pages(page_size=3)]
     assert [len(page) for page in pages] == [3, 3, 1]
     ids = [record.id for page in pages for record in page]
     assert len(set(ids)) == 7
-    assert all(record.status is SandboxStatus.ACTIVE for page in pages for record in page)
+    active = {r.id for r in await store.with_status(SandboxStatus.ACTIVE)}
+    assert set(ids) == active
+
+
+async def test_active_pages_give_the_last_activity_else_ready_else_created_time(
+    repository: Repository, world: World, clock: FakeClock
+) -> None:
+    store = SandboxRepository(repository.engine, LocalEventBus())
+    created = clock.now()
+    ready, touched = created + timedelta(seconds=3), created + timedelta(seconds=50)
+    state = {"sandbox_id": "sbx_x", "pids": {"command": [12, 34]}}
+    chats = [await world.chat() for _ in range(3)]
+    await world.sandbox(chats[0], "active", "ready", ready_at=ready, last_activity_at=touched)
+    await world.sandbox(chats[1], "active", "ready", ready_at=ready, backend_state=state)
+    await world.sandbox(chats[2], "active", "ready")
+    found = {r.chat_id: r for page in [p async for p in store.active_pages()] for r in page}
+    assert [found[chat].last_activity_at for chat in chats] == [touched, ready, created]
+    assert all(found[chat].last_activity_at.tzinfo is not None for chat in chats)
+    assert found[chats[1]].backend_state == state
+    assert found[chats[0]].backend_state == {}

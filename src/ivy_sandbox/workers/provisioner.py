@@ -24,7 +24,7 @@ from ivy_sandbox.aio import wait_event
 from ivy_sandbox.backends.base import ErrorCode, Liveness, SandboxBackend
 from ivy_sandbox.domain.sandbox import SandboxStatus
 from ivy_sandbox.services.clock import Clock
-from ivy_sandbox.storage.sandboxes import SandboxRecord, SandboxRepository
+from ivy_sandbox.storage.sandboxes import ActiveSandbox, SandboxRepository
 from ivy_sandbox.workers.steps import EngineSettings, LaunchDriver
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class Provisioner:
         """Fail sandboxes whose processes died; stop those idle for too long."""
         now = self.clock.now()
         idle_before = now - timedelta(seconds=self.settings.idle_timeout)
-        async for page in self.sandboxes.pages_with_status(SandboxStatus.ACTIVE):
+        async for page in self.sandboxes.active_pages():
             for record in page:
                 try:
                     await self._check_one(record, idle_before)
@@ -140,7 +140,7 @@ class Provisioner:
                 # second that every request in flight waits out (the density p99).
                 await asyncio.sleep(0)
 
-    async def _check_one(self, record: SandboxRecord, idle_before: datetime) -> None:
+    async def _check_one(self, record: ActiveSandbox, idle_before: datetime) -> None:
         inspection = await self.backend.inspect(record.backend_state)
         if inspection.liveness is not Liveness.RUNNING:
             status = inspection.exit_status
@@ -160,7 +160,7 @@ class Provisioner:
                 await self.backend.stop(record.backend_state)
                 self._capacity_freed.set()
             return
-        last = record.last_activity_at or record.ready_at or record.created_at
+        last = record.last_activity_at
         if last < idle_before and await self.sandboxes.remove_by_id(record, SandboxStatus.ACTIVE):
             log.info("sandbox %s idle since %s: stopped", record.id, last.isoformat())
             await self.backend.stop(record.backend_state)
