@@ -509,6 +509,60 @@ async def test_inspect_reports_exited_with_the_status_after_pid_1_is_killed(
     assert (await backend.inspect(state)).liveness is Liveness.GONE
 
 
+def pidfds() -> int:
+    """How many pidfds this process holds."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == "anon_inode:[pidfd]"
+    return count
+
+
+async def test_inspect_notices_a_watched_first_process_exiting(
+    backend: LocalBackend, launch: Launch
+) -> None:
+    """After a first inspection the first process is watched through a pidfd; its exit
+    must still turn the next inspection away from RUNNING (and release the pidfd)."""
+    _, state = await launch()
+    held = pidfds()
+    assert (await backend.inspect(state)).liveness is Liveness.RUNNING
+    assert (await backend.inspect(state)).liveness is Liveness.RUNNING
+    assert pidfds() == held + 1
+    os.kill(state["pids"]["command"]["pid"], signal.SIGKILL)
+    for _ in range(200):
+        inspection = await backend.inspect(state)
+        if inspection.liveness is not Liveness.RUNNING:
+            break
+        await asyncio.sleep(0.01)
+    assert inspection.liveness is not Liveness.RUNNING
+    assert pidfds() == held
+    await backend.stop(state)
+
+
+async def test_stop_and_aclose_release_the_liveness_watch(tmp_path: Path) -> None:
+    before = pidfds()
+    try:
+        local = LocalBackend(tmp_path / "data")
+    except BackendError as exc:
+        service_unavailable(f"bubblewrap cannot run here: {exc.message}")
+    states = []
+    try:
+        for number in range(2):
+            spec = SandboxSpec(sandbox_id=f"sbx_watch_{number}", chat_id=f"chat_w{number}")
+            states.append(await local.start(spec))
+            assert (await local.inspect(states[-1])).liveness is Liveness.RUNNING
+        assert pidfds() == before + 2
+        await local.stop(states[0])
+        assert (await local.inspect(states[0])).liveness is Liveness.GONE
+        assert pidfds() == before + 1
+        await local.aclose()
+        assert pidfds() == before
+    finally:
+        for state in states:
+            await local.stop(state)
+    assert (await local.inspect(states[1])).liveness is Liveness.GONE
+
+
 async def test_stop_is_idempotent_and_safe_on_garbage_state(
     backend: LocalBackend, launch: Launch
 ) -> None:

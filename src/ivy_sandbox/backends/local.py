@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import resource
 import shutil
 import stat
 import subprocess
@@ -230,6 +231,8 @@ class LocalBackend:
             gid=self._gid,
             stage=stage,
         )
+        soft_fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._watch = procs.FirstProcessWatch(limit=max(0, soft_fd_limit // 4))
         self._cgroups = cgroups.detect()
         self._mountpoints = cgroups.cgroup_mountpoints()
         self._workspaces = local_disk.detect(
@@ -336,10 +339,12 @@ class LocalBackend:
     async def inspect(self, state: BackendState) -> Inspection:
         """RUNNING while the idle command lives; EXITED (with bwrap's recorded status) while
         something of it is left to stop; GONE otherwise or for an unusable state."""
+        if self._watch.alive(state):
+            return Inspection(Liveness.RUNNING)
         sandbox = procs.parse_state(self._data_dir, state)
         if sandbox is None:
             return Inspection(Liveness.GONE, detail="the state does not describe a sandbox")
-        if procs.is_running(sandbox):
+        if self._watch.watch(sandbox):
             return Inspection(Liveness.RUNNING)
         remaining = {
             pid
@@ -365,6 +370,7 @@ class LocalBackend:
         sandbox = procs.parse_state(self._data_dir, state)
         if sandbox is None:
             return
+        self._watch.forget(sandbox.sandbox_id)
         groups = sandbox.cgroup_paths(self._mountpoints)
         for hierarchy in self._cgroups.hierarchies:  # made but not yet recorded (a crash)
             path = hierarchy.base / (self._cgroup_prefix + sandbox.sandbox_id)
@@ -384,6 +390,7 @@ class LocalBackend:
     async def list_sandboxes(self) -> dict[str, BackendState]:
         """Sandboxes with something left here: running ones and exited ones not yet stopped
         (so the engine's orphan sweep also reclaims their cgroups and bookkeeping)."""
+        self._watch.prune()
         root = self._data_dir / "sandboxes"
         names = await asyncio.to_thread(lambda: sorted(p.name for p in root.glob("*")))
         found: dict[str, BackendState] = {}
@@ -398,4 +405,6 @@ class LocalBackend:
         return found
 
     async def aclose(self) -> None:
-        """Nothing to release: sandboxes outlive us by design, reapers are daemon threads."""
+        """Sandboxes outlive us by design and reapers are daemon threads; only the
+        liveness watch's descriptors are ours to close."""
+        self._watch.close()
