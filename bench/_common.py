@@ -800,12 +800,25 @@ def machine() -> dict[str, Any]:
 _NOISE: dict[str, tuple[float, float, float, float]] = {}
 
 
-def _cpu_snapshot() -> tuple[float, float, float, float]:
-    """(wall, host busy CPU s, host total CPU s, CPU s used by us and our descendants)."""
+def host_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores together."""
     tick = os.sysconf("SC_CLK_TCK")
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     total = sum(fields[:8])
+    return (total - idle) / tick, total / tick
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process (the benchmark client) has used."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _cpu_snapshot() -> tuple[float, float, float, float]:
+    """(wall, host busy CPU s, host total CPU s, CPU s used by us and our descendants)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, total = host_cpu_s()
     times = os.times()
     ours = times.user + times.system + times.children_user + times.children_system
     me = os.getpid()
@@ -816,7 +829,7 @@ def _cpu_snapshot() -> tuple[float, float, float, float]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             if int(stat[1]) == me:  # a live child: its CPU and its reaped children's
                 ours += sum(int(x) for x in stat[11:15]) / tick
-    return time.time(), (total - idle) / tick, total / tick, ours
+    return time.time(), busy, total, ours
 
 
 def noise() -> dict[str, Any]:

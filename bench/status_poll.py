@@ -74,6 +74,47 @@ def baseline(scratch: Path, name: str, module: str, *, plain: bool = False) -> c
     return c.Server(name=name, argv=argv, env=env, log_dir=scratch / name, ready_path=ready)
 
 
+def status_gaps(top: dict[str, Any]) -> dict[str, Any]:
+    """By how much and why each missed goal (at c=64) was missed, from this run's numbers."""
+    ours, bare = top["ours_key"], top["bare_asgi"]
+    fastapi = top["fastapi_constant"]
+    per_request = (
+        f"one poll costs the one server core {1e6 / ours['rps']:.0f} us against "
+        f"{1e6 / bare['rps']:.0f} us for bare ASGI and {1e6 / fastapi['rps']:.0f} us for the "
+        "FastAPI constant; the difference is authentication, the limits, the SQLite read and "
+        "the metrics (docs/performance.md)"
+    )
+    checks = {
+        "ratio_vs_fastapi >= 1.0": (top["ratio_vs_fastapi"], 1.0, per_request),
+        "ratio_vs_bare_asgi >= 0.35": (top["ratio_vs_bare_asgi"], 0.35, per_request),
+        "ratio_jwt_vs_key >= 0.9": (
+            top["ratio_jwt_vs_key"],
+            0.9,
+            "a session token's request is ~2x an API key's in size and its cache key is a "
+            "SHA-256 of the token; run to run the ratio moves by about 0.05",
+        ),
+        "ratio_cookie_vs_key >= 0.9": (
+            top["ratio_cookie_vs_key"],
+            0.9,
+            "the cookie header is parsed (memoised per header) before the token's checks",
+        ),
+        "p99_ms <= 15": (
+            ours["p99_ms"],
+            15,
+            f"64 requests queue on one event loop (p50 {ours['p50_ms']} ms); in the same run "
+            f"bare ASGI had p99 {bare['p99_ms']} ms and the FastAPI constant "
+            f"{fastapi['p99_ms']} ms: the rest is this machine's jitter",
+        ),
+    }
+    gaps: dict[str, Any] = {}
+    for goal, (measured, target, why) in checks.items():
+        met = measured <= target if goal.startswith("p99") else measured >= target
+        if not met:
+            gaps[goal] = {"measured": measured, "short_by": round(abs(measured - target), 3)}
+            gaps[goal]["why"] = why
+    return gaps
+
+
 def wait_active(server: c.IvyServer, chat: str, headers: dict[str, str]) -> None:
     response = httpx.post(server.url(f"/v1/sandbox/{chat}"), headers=headers, timeout=10)
     if response.status_code != 202:
@@ -236,6 +277,7 @@ def run(args: Any, scratch: Path) -> None:
             "ratio_cookie_vs_key >= 0.9": top["ratio_cookie_vs_key"] >= 0.9,
             "p99_ms <= 15": top["ours_key"]["p99_ms"] <= 15,
         },
+        "gaps": status_gaps(top),
         "by_concurrency": by_concurrency,
         "params": {
             "duration_s": duration,
