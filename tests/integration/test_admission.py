@@ -86,3 +86,17 @@ async def test_active_pages_give_the_last_activity_else_ready_else_created_time(
     assert all(found[chat].last_activity_at.tzinfo is not None for chat in chats)
     assert found[chats[1]].backend_state == state
     assert found[chats[0]].backend_state == {}
+
+
+async def test_ids_with_status_are_exactly_the_ids_in_those_statuses(
+    repository: Repository, world: World
+) -> None:
+    store = SandboxRepository(repository.engine, LocalEventBus())
+    for status, phase in (("active", "ready"), ("provisioning", "compute"), ("failed", "failed")):
+        await world.sandbox(await world.chat(), status, phase)
+    live = await store.ids_with_status(SandboxStatus.PROVISIONING, SandboxStatus.ACTIVE)
+    expected = {
+        r.id for r in await store.with_status(SandboxStatus.PROVISIONING, SandboxStatus.ACTIVE)
+    }
+    assert live == expected
+    assert len(live) == 2

@@ -115,6 +115,13 @@ class SandboxRepository:
             rows = (await conn.execute(query.order_by(sandboxes.c.created_at))).all()
         return [SandboxRecord.from_row(row) for row in rows]
 
+    async def ids_with_status(self, *statuses: SandboxStatus) -> set[str]:
+        """Just the ids (the orphan sweep's question: which sandboxes have a live record?).
+        Whole records of 500 sandboxes took ~36 ms to parse in one slice of the loop."""
+        query = select(sandboxes.c.id).where(sandboxes.c.status.in_([s.value for s in statuses]))
+        async with self.engine.connect() as conn:
+            return set((await conn.execute(query)).scalars())
+
     async def active_pages(self, page_size: int = 50) -> AsyncIterator[list[ActiveSandbox]]:
         """Every active sandbox, a page at a time (keyset by id), as the liveness sweep needs
         it. The sweep runs once a second over hundreds of sandboxes: it must not parse them

@@ -171,12 +171,9 @@ class Provisioner:
         running = await self.backend.list_sandboxes()
         if not running:
             return
-        live = {
-            r.id
-            for r in await self.sandboxes.with_status(
-                SandboxStatus.PROVISIONING, SandboxStatus.ACTIVE
-            )
-        }
+        live = await self.sandboxes.ids_with_status(
+            SandboxStatus.PROVISIONING, SandboxStatus.ACTIVE
+        )
         for sandbox_id, state in running.items():
             if sandbox_id not in live:
                 log.warning("stopping orphan sandbox %s (no live record)", sandbox_id)
