@@ -393,10 +393,10 @@ def density_gaps(results: dict[str, Any]) -> dict[str, Any]:
             "short_by": round(ratio - 1.2, 3),
             "why": (
                 f"with the sandboxes the server is busy {list(idle.values())[-1]} % of a core "
-                "even without requests (the 1 Hz liveness sweep, which the status requests "
-                f"wait behind), and req/s fell {results['status_rps_baseline']} -> "
-                f"{results['status_rps']}; the rest of the tail is outside the event loop "
-                "(docs/performance.md, Gaps)"
+                "without requests (the 1 Hz liveness sweep) and req/s fell "
+                f"{results['status_rps_baseline']} -> {results['status_rps']}; its event loop "
+                "does not stall, so the rest of the tail is spent outside the server "
+                "(docs/performance.md, night session and Gaps)"
             ),
         }
     return gaps

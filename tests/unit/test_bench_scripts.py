@@ -83,6 +83,19 @@ def test_committed_results_have_the_keys(name: str) -> None:
         assert not missing, f"{path.name} lacks {missing}"
 
 
+@pytest.mark.parametrize("name", sorted(REQUIRED_KEYS))
+def test_committed_results_say_by_how_much_and_why_each_missed_goal_was_missed(
+    name: str,
+) -> None:
+    path = BENCH / "results" / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"no committed result for {name}")
+    data = json.loads(path.read_text())
+    missed = [goal for goal, met in data["goals"].items() if not met]
+    assert sorted(data["gaps"]) == sorted(missed)
+    assert all(data["gaps"][goal]["why"] for goal in missed)
+
+
 @pytest.mark.parametrize("name", USES_WRK)
 def test_missing_wrk_says_how_to_install_it(name: str, tmp_path: Path) -> None:
     result = subprocess.run(
