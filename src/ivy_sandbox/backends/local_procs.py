@@ -180,9 +180,6 @@ class FirstProcessWatch:
         for sandbox_id in list(self._fds):
             self.forget(sandbox_id)
 
-    def __len__(self) -> int:
-        return len(self._fds)
-
 
 def exit_status(sandbox: Sandbox) -> int | None:
     """From bwrap's status file (written even with no control plane alive), else from the
