@@ -114,12 +114,24 @@ def api_account(server: Server, clerk: Clerk) -> Account:
 
 
 def queued_launch(server: Server, account: Account) -> None:
-    """Launch the account's chat; it stays provisioning (no capacity) for minutes."""
+    """Launch the account's chat and wait until it is queued: it then stays provisioning (no
+    capacity) for minutes, with nothing about it changing."""
     response = httpx.post(
         f"{server.base_url}/v1/sandbox/{account.chat}", headers={"X-Ivy-Api-Key": account.key}
     )
     assert response.status_code == 202, response.text
     assert response.json()["status"] == "provisioning"
+    # The launch is visibly queued once the worker has found no capacity and dropped its
+    # ETA; before that the watches below would (rightly) answer that change.
+    status = f"{server.base_url}/v1/sandbox/{account.chat}/status"
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        body = httpx.get(status, headers={"X-Ivy-Api-Key": account.key}).json()
+        assert body["status"] == "provisioning", body
+        if "etaSeconds" not in body:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the launch was never queued for capacity\n{server.logs()}")
 
 
 @dataclass
