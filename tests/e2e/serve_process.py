@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -136,6 +137,17 @@ def started_server(tmp: Path, env: Mapping[str, str] | None = None) -> Server:
     server = Server(tmp / "data", dict(env or {}), tmp / "logs")
     server.start()
     return server
+
+
+def until(predicate: Callable[[], Any], what: str, within: float = 30.0) -> Any:
+    """Poll ``predicate`` until it is truthy (its value is returned), at most ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {within:g} s waiting for {what}")
 
 
 # -- sandbox processes of a server's data dir ---------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +26,8 @@ from serve_process import (
     sandbox_pids,
     sandbox_processes_by_cgroup,
     started_server,
+    until,
 )
-
-WAIT = 30.0
-
-
-def until(predicate: Callable[[], Any], what: str, within: float = WAIT) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Api:

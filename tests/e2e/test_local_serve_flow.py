@@ -18,17 +18,23 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serve_process import IVY, Account, Server, clean_env, sandbox_pids, started_server
+from serve_process import (
+    IVY,
+    Account,
+    Server,
+    clean_env,
+    sandbox_pids,
+    started_server,
+    until,
+)
 
-WAIT = 30.0  # bound on every wait for a launch, a reaping or a cleanup
 CLI_TIMEOUT = 120
 WATCHDOG = "0.001"  # seconds: shorter than any real phase (see the module docstring)
 CAPACITY_TIMEOUT = 1
@@ -72,16 +78,6 @@ def describe(pids: set[int]) -> str:
             continue
         lines.append(f"{pid}: {command.decode(errors='replace')[:200]}")
     return "\n".join(lines)
-
-
-def until(predicate: Callable[[], Any], what: str, within: float = WAIT) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {within:g} s waiting for {what}")
 
 
 def no_sandbox_process_left(server: Server) -> None:
