@@ -150,9 +150,10 @@ class FirstProcessWatch:
 
     def watch(self, sandbox: Sandbox) -> bool:
         """``is_running(sandbox)``, and if so, watch its first process from now on."""
-        pid, _ = sandbox.pid("command")
-        if sandbox.sandbox_id in self._fds or len(self._fds) >= self._limit:
+        if len(self._fds) >= self._limit:
             return is_running(sandbox)
+        self.forget(sandbox.sandbox_id)  # called directly while watched: watch afresh
+        pid, _ = sandbox.pid("command")
         try:
             fd = os.pidfd_open(pid) if isinstance(pid, int) and pid > 0 else -1
         except OSError:

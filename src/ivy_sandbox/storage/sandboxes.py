@@ -238,9 +238,7 @@ class SandboxRepository:
             self.bus.after_commit(chat_id)
         return current
 
-    async def remove_by_id(
-        self, record: SandboxRecord | ActiveSandbox, status: SandboxStatus
-    ) -> bool:
+    async def remove_by_id(self, record: ActiveSandbox, status: SandboxStatus) -> bool:
         async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 delete(sandboxes).where(
